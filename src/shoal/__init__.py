@@ -1,0 +1,64 @@
+"""shoal: isolated environments by the thousand for agentic RL, behind one Python interface.
+
+    import shoal
+    with shoal.Client() as client:
+        with client.create("container", image="debian") as sb:
+            print(sb.exec("echo hi").stdout)
+"""
+
+from shoal.client import (
+    AsyncClient,
+    AsyncSandbox,
+    AsyncShell,
+    Client,
+    CommandError,
+    ExecResult,
+    FileEntry,
+    Sandbox,
+    SandboxInfo,
+    Shell,
+)
+from shoal.errors import (
+    CapacityError,
+    DivergenceError,
+    ImageError,
+    ImageNotFoundError,
+    InvalidRequestError,
+    NodeError,
+    NotFoundError,
+    SandboxClosedError,
+    SandboxLostError,
+    SandboxNotFoundError,
+    ShoalError,
+    UnsupportedKindError,
+)
+from shoal.protocol import OutputChunk, SandboxSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncClient",
+    "AsyncSandbox",
+    "AsyncShell",
+    "CapacityError",
+    "Client",
+    "CommandError",
+    "DivergenceError",
+    "ExecResult",
+    "FileEntry",
+    "ImageError",
+    "ImageNotFoundError",
+    "InvalidRequestError",
+    "NodeError",
+    "NotFoundError",
+    "OutputChunk",
+    "Sandbox",
+    "SandboxClosedError",
+    "SandboxInfo",
+    "SandboxLostError",
+    "SandboxNotFoundError",
+    "SandboxSpec",
+    "Shell",
+    "ShoalError",
+    "UnsupportedKindError",
+]

@@ -1,0 +1,87 @@
+"""The cgroup tree as shoal sees it: v1 (one hierarchy per controller) or v2 (unified).
+
+The OCI runtime creates and limits each sandbox's cgroup from the bundle; the node uses this module to
+read what happened (OOM kills), to freeze, and to remove what a crashed runtime left behind.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path("/sys/fs/cgroup")
+V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "cpuset", "freezer", "devices", "blkio")
+
+
+def layout() -> str:
+    """'v2' (unified), 'hybrid' (v1 with an empty cgroup2 at unified/), or 'v1'."""
+    if (ROOT / "cgroup.controllers").exists():
+        return "v2"
+    if (ROOT / "unified" / "cgroup.controllers").exists():
+        return "hybrid"
+    return "v1"
+
+
+def sandbox_dirs(path: str) -> list[Path]:
+    """Every directory of cgroup `path` (e.g. '/shoal/<id>') that exists now."""
+    rel = path.lstrip("/")
+    if layout() == "v2":
+        candidates = [ROOT / rel]
+    else:
+        candidates = [ROOT / c / rel for c in V1_CONTROLLERS]
+        candidates.append(ROOT / "systemd" / rel)
+    return [p for p in candidates if p.is_dir()]
+
+
+def oom_kills(path: str) -> int:
+    """How many times the kernel's OOM killer has killed a process in this cgroup."""
+    rel = path.lstrip("/")
+    name = "memory.events" if layout() == "v2" else "memory.oom_control"
+    base = ROOT / rel if layout() == "v2" else ROOT / "memory" / rel
+    try:
+        text = (base / name).read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return 0
+
+
+def procs(path: str) -> list[int]:
+    found: set[int] = set()
+    for directory in sandbox_dirs(path):
+        try:
+            found.update(int(p) for p in (directory / "cgroup.procs").read_text().split())
+        except OSError:
+            pass
+    return sorted(found)
+
+
+def remove(path: str) -> None:
+    """Kill whatever is left in the cgroup and remove its directories (children first)."""
+    for pid in procs(path):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    for directory in sandbox_dirs(path):
+        for sub in sorted(directory.rglob("*"), key=lambda p: -len(p.parts)):
+            if sub.is_dir():
+                _rmdir(sub)
+        _rmdir(directory)
+
+
+def _rmdir(directory: Path) -> None:
+    for _ in range(50):
+        try:
+            directory.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            # EBUSY while killed tasks exit
+            import time
+
+            time.sleep(0.01)

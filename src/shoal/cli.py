@@ -1,0 +1,122 @@
+"""The `shoal` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import shoal
+
+
+def _client(args: argparse.Namespace) -> shoal.Client:
+    return shoal.Client(home=args.home)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        print("shoal run: give a command after --", file=sys.stderr)
+        return 2
+    with _client(args) as client, client.create(args.kind, image=args.image, runtime=args.runtime) as sb:
+        result = sb.exec(" ".join(command) if len(command) == 1 else command, timeout=args.timeout)
+        sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+        if result.timed_out:
+            print(f"shoal: timed out after {args.timeout} s", file=sys.stderr)
+        return result.exit_code
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        for info in client.list():
+            labels = ",".join(f"{k}={v}" for k, v in info.labels.items())
+            print(f"{info.id}\t{info.kind}\t{info.image}\t{info.state}\t{labels}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.all:
+            print(f"closed {client.close_all()} sandboxes")
+        for sandbox_id in args.ids:
+            client.kill(sandbox_id)
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from shoal.node.daemon import main
+
+    return main()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(json.dumps(client.status(), indent=2))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from shoal.doctor import report
+
+    text, healthy = report()
+    print(text)
+    return 0 if healthy else 1
+
+
+def cmd_image(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.action == "build":
+            print(json.dumps(client.build_image(args.name, force=args.force)))
+        else:
+            print("\n".join(client.images()))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from shoal.demo import run_demo
+
+    return run_demo(count=args.count, image=args.image, concurrency=args.concurrency, home=args.home)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shoal", description=shoal.__doc__.splitlines()[0])
+    parser.add_argument("--home", help="node state directory (default $SHOAL_HOME or /var/lib/shoal)")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="run one command in a fresh sandbox")
+    run.add_argument("--kind", default="container")
+    run.add_argument("--image", default="debian")
+    run.add_argument("--runtime", default="crun")
+    run.add_argument("--timeout", type=float, default=60.0)
+    run.add_argument("command", nargs=argparse.REMAINDER)
+    run.set_defaults(func=cmd_run)
+    sub.add_parser("ls", help="list sandboxes").set_defaults(func=cmd_ls)
+    rm = sub.add_parser("rm", help="close sandboxes")
+    rm.add_argument("ids", nargs="*")
+    rm.add_argument("--all", action="store_true")
+    rm.set_defaults(func=cmd_rm)
+    sub.add_parser("node", help="run the node agent in the foreground").set_defaults(func=cmd_node)
+    sub.add_parser("status", help="the node's figures").set_defaults(func=cmd_status)
+    sub.add_parser("doctor", help="what this host can do, and remedies").set_defaults(func=cmd_doctor)
+    image = sub.add_parser("image", help="build or list images")
+    image.add_argument("action", choices=["build", "ls", "build-base"])
+    image.add_argument("name", nargs="?", default="debian")
+    image.add_argument("--force", action="store_true")
+    image.set_defaults(func=cmd_image)
+    demo = sub.add_parser("demo", help="create a few hundred sandboxes concurrently and use them")
+    demo.add_argument("--count", type=int, default=300)
+    demo.add_argument("--concurrency", type=int, default=32)
+    demo.add_argument("--image", default="debian")
+    demo.set_defaults(func=cmd_demo)
+    args = parser.parse_args(argv)
+    if getattr(args, "action", None) == "build-base":
+        args.action = "build"
+    try:
+        return args.func(args)
+    except shoal.ShoalError as exc:
+        print(f"shoal: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

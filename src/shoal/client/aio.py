@@ -1,0 +1,378 @@
+"""The asynchronous SDK: the one implementation; `shoal.Client` wraps it for blocking code."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat as stat_module
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from shoal import protocol
+from shoal.client.results import ExecResult, FileEntry, SandboxInfo
+from shoal.client.transport import Connection
+from shoal.config import Paths
+from shoal.errors import NodeError
+from shoal.protocol import OutputChunk, SandboxSpec
+
+DEFAULT_TIMEOUT = 60.0
+_SPEC_FIELDS = set(SandboxSpec.__struct_fields__)
+
+
+def _spec(kind: str, image: str, options: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(options) - _SPEC_FIELDS
+    if unknown:
+        raise TypeError(f"create() got unexpected arguments {sorted(unknown)}; known: {sorted(_SPEC_FIELDS)}")
+    files = options.get("files")
+    if files:
+        options = dict(options, files={k: v.encode() if isinstance(v, str) else v for k, v in files.items()})
+    return protocol.to_builtins(SandboxSpec(kind=kind, image=image, **options))
+
+
+class AsyncClient:
+    """Connects to a node: the local one over its Unix socket (started on demand) by default."""
+
+    def __init__(self, address: str | None = None, *, home: str | None = None, autostart: bool = True) -> None:
+        self.paths = Paths.from_env() if home is None else Paths(Path(home), Paths.from_env().images)
+        self.address = address or str(self.paths.socket)
+        self.autostart = autostart and address is None
+        self._conn: Connection | None = None
+        self._connecting = asyncio.Lock()
+
+    async def connect(self) -> AsyncClient:
+        async with self._connecting:
+            if self._conn is None:
+                self._conn = await self._open()
+        return self
+
+    async def _open(self) -> Connection:
+        try:
+            return await Connection.open_unix(self.address)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            if not self.autostart:
+                raise NodeError(f"no shoal node answers at {self.address}: start one with `shoal node`") from exc
+        if os.geteuid() != 0:
+            raise NodeError("no shoal node is running and starting one needs root: run as root or `sudo shoal node`")
+        from shoal.node.daemon import spawn_background
+
+        await asyncio.to_thread(spawn_background, self.paths)
+        return await Connection.open_unix(self.address)
+
+    async def __aenter__(self) -> AsyncClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the connection. Sandboxes live on in the node until closed, killed or expired."""
+        if self._conn is not None:
+            await self._conn.close()
+            self._conn = None
+
+    async def call(self, op: str, args: dict[str, Any] | None = None, **kw: Any) -> Any:
+        if self._conn is None:
+            await self.connect()
+        assert self._conn is not None
+        return await self._conn.call(op, args, **kw)
+
+    # ---------------------------------------------------------------- sandboxes
+
+    async def create(self, kind: str = "container", image: str = "debian", **options: Any) -> AsyncSandbox:
+        """Create a sandbox (from a warm pool when one matches). Options: see `SandboxSpec`."""
+        spec = _spec(kind, image, options)
+
+        def release(info: Any) -> None:  # the caller was cancelled after the node made it
+            asyncio.ensure_future(self._kill_quietly(info["id"]))
+
+        info = await self.call("create", {"spec": spec}, on_orphan=release)
+        return AsyncSandbox(self, protocol.convert(info, SandboxInfo))
+
+    async def create_many(
+        self, count: int, kind: str = "container", image: str = "debian", *, concurrency: int = 64, **options: Any
+    ) -> list[AsyncSandbox | Exception]:
+        """Create `count` sandboxes; each slot holds a sandbox or the exception that stopped it."""
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one() -> AsyncSandbox:
+            async with gate:
+                return await self.create(kind, image, **options)
+
+        results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+        for item in results:
+            if isinstance(item, BaseException) and not isinstance(item, Exception):
+                raise item
+        return list(results)  # type: ignore[arg-type]
+
+    async def get(self, sandbox_id: str) -> AsyncSandbox:
+        info = await self.call("get", {"sandbox_id": sandbox_id})
+        return AsyncSandbox(self, protocol.convert(info, SandboxInfo))
+
+    async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        return [protocol.convert(i, SandboxInfo) for i in await self.call("list", {"labels": labels})]
+
+    async def kill(self, sandbox_id: str) -> None:
+        await self.call("kill", {"sandbox_id": sandbox_id})
+
+    async def _kill_quietly(self, sandbox_id: str) -> None:
+        try:
+            await self.kill(sandbox_id)
+        except Exception:  # noqa: S110 - best effort release of an orphan
+            pass
+
+    async def close_all(self, labels: dict[str, str] | None = None) -> int:
+        """Close every sandbox (with these labels); returns how many were closed."""
+        return await self.call("close_all", {"labels": labels})
+
+    async def set_pool(
+        self, kind: str = "container", image: str = "debian", size: int = 1, *, wait: bool = False, **options: Any
+    ) -> dict[str, Any]:
+        """Keep `size` warm sandboxes of this shape ready; `create` with the same shape claims them."""
+        return await self.call("pool_set", {"spec": _spec(kind, image, options), "size": size, "wait": wait})
+
+    async def status(self) -> dict[str, Any]:
+        return await self.call("status")
+
+    async def build_image(self, name: str, force: bool = False) -> dict[str, Any]:
+        return await self.call("image_build", {"name": name, "force": force})
+
+    async def images(self) -> list[str]:
+        return await self.call("image_list")
+
+
+class ExecStream:
+    """`async for chunk in sandbox.exec_stream(...)` yields OutputChunk(stream, data); `.result` after."""
+
+    def __init__(self, sandbox: AsyncSandbox, args: dict[str, Any]) -> None:
+        self._sandbox = sandbox
+        self._args = args
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.result: ExecResult | None = None
+
+    async def __aiter__(self) -> AsyncIterator[OutputChunk]:
+        task = asyncio.ensure_future(
+            self._sandbox.client.call("exec", {"req": self._args}, on_event=self._queue.put_nowait)
+        )
+        task.add_done_callback(lambda _t: self._queue.put_nowait(None))
+        try:
+            while True:
+                item = await self._queue.get()
+                if item is None:
+                    break
+                yield protocol.convert(item, OutputChunk)
+            self.result = ExecResult.from_wire(task.result())
+        finally:
+            if not task.done():
+                task.cancel()
+
+
+class AsyncSandbox:
+    """A handle on one sandbox. Cheap: it holds the ID and a client; every call goes to the node."""
+
+    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
+        self.client = client
+        self.info = info
+        self.id = info.id
+        self.files = AsyncFiles(self)
+
+    def __repr__(self) -> str:
+        return f"<AsyncSandbox {self.id} {self.info.kind}:{self.info.image}>"
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.shield(self.close())
+
+    def _exec_args(self, cmd: str | Sequence[str], options: dict[str, Any]) -> dict[str, Any]:
+        args: dict[str, Any] = {"sandbox_id": self.id, "cmd": cmd if isinstance(cmd, str) else list(cmd)}
+        stdin = options.pop("stdin", None)
+        if stdin is not None:
+            args["stdin"] = stdin.encode() if isinstance(stdin, str) else stdin
+        args.update({k: v for k, v in options.items() if v is not None})
+        return args
+
+    async def exec(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        idle_timeout: float | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: bytes | str | None = None,
+        output_cap_bytes: int | None = None,
+        merge_stderr: bool = False,
+        on_stdout: Callable[[bytes], Any] | None = None,
+        on_stderr: Callable[[bytes], Any] | None = None,
+    ) -> ExecResult:
+        """Run a command (a shell string, or an argv list run without a shell) and wait for it.
+
+        On `timeout` (wall clock) or `idle_timeout` (no output for that long) the whole process tree is
+        killed and the result has `timed_out` set with the output printed so far.
+        """
+        args = self._exec_args(
+            cmd,
+            dict(
+                timeout=timeout,
+                idle_timeout=idle_timeout,
+                env=env,
+                cwd=cwd,
+                user=user,
+                stdin=stdin,
+                output_cap_bytes=output_cap_bytes,
+                merge_stderr=merge_stderr or None,
+            ),
+        )
+        on_event = None
+        if on_stdout or on_stderr:
+            args["stream"] = True
+
+            def on_event(event: Any) -> None:
+                callback = on_stdout if event["stream"] == "stdout" else on_stderr
+                if callback is not None:
+                    callback(event["data"])
+
+        return ExecResult.from_wire(await self.client.call("exec", {"req": args}, on_event=on_event))
+
+    def exec_stream(
+        self, cmd: str | Sequence[str], *, timeout: float | None = DEFAULT_TIMEOUT, **options: Any
+    ) -> ExecStream:
+        """Run a command and stream its output as it is printed."""
+        args = self._exec_args(cmd, dict(options, timeout=timeout))
+        args["stream"] = True
+        return ExecStream(self, args)
+
+    async def shell(self) -> AsyncShell:
+        """A persistent shell: working directory and environment carry over between `run` calls."""
+        return AsyncShell(self, await self.client.call("shell_open", {"sandbox_id": self.id}))
+
+    async def refresh(self) -> SandboxInfo:
+        self.info = protocol.convert(await self.client.call("get", {"sandbox_id": self.id}), SandboxInfo)
+        return self.info
+
+    async def keepalive(self, ttl_s: float | None = None) -> None:
+        """Push the TTL deadline out by `ttl_s` (default: the sandbox's own TTL) from now."""
+        self.info = protocol.convert(
+            await self.client.call("keepalive", {"sandbox_id": self.id, "ttl_s": ttl_s}), SandboxInfo
+        )
+
+    async def close(self) -> None:
+        """Destroy the sandbox and everything it owns. Closing twice is fine."""
+        await self.client.call("kill", {"sandbox_id": self.id})
+
+
+class AsyncShell:
+    def __init__(self, sandbox: AsyncSandbox, shell_id: str) -> None:
+        self.sandbox = sandbox
+        self.id = shell_id
+
+    async def run(
+        self, cmd: str, *, timeout: float | None = DEFAULT_TIMEOUT, idle_timeout: float | None = None
+    ) -> ExecResult:
+        """Run `cmd` in this shell. A timeout kills the shell (later runs raise); open a new one."""
+        raw = await self.sandbox.client.call(
+            "shell_run", {"shell_id": self.id, "cmd": cmd, "timeout": timeout, "idle_timeout": idle_timeout}
+        )
+        return ExecResult.from_wire(raw)
+
+    async def close(self) -> None:
+        await self.sandbox.client.call("shell_close", {"shell_id": self.id})
+
+    async def __aenter__(self) -> AsyncShell:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+class AsyncFiles:
+    """Files inside the sandbox, read and written through its agent (as the sandbox's user)."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    async def _call(self, op: str, **args: Any) -> Any:
+        return await self._sandbox.client.call(op, {"sandbox_id": self._sandbox.id, **args})
+
+    async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, append: bool = False) -> int:
+        payload = data.encode() if isinstance(data, str) else data
+        return await self._call("file_write", path=path, data=payload, mode=mode, append=append)
+
+    async def read(self, path: str, *, max_bytes: int = 256 << 20) -> bytes:
+        return await self._call("file_read", path=path, max_bytes=max_bytes)
+
+    async def read_text(self, path: str) -> str:
+        return (await self.read(path)).decode()
+
+    async def list(self, path: str = ".", *, recursive: bool = False) -> list[FileEntry]:
+        raw = await self._call("file_list", path=path, recursive=recursive)
+        return [protocol.convert(e, FileEntry) for e in raw]
+
+    async def stat(self, path: str) -> FileEntry | None:
+        raw = await self._call("file_stat", path=path)
+        return None if raw is None else protocol.convert(raw, FileEntry)
+
+    async def exists(self, path: str) -> bool:
+        return await self.stat(path) is not None
+
+    async def mkdir(self, path: str) -> None:
+        await self._call("file_mkdir", path=path)
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        await self._call("file_remove", path=path, recursive=recursive)
+
+    async def upload(self, local_dir: str | os.PathLike[str], remote_dir: str, *, concurrency: int = 16) -> int:
+        """Copy a local directory (or file) into the sandbox; returns the number of files written."""
+        root = Path(local_dir)
+        if root.is_file():
+            await self.write(remote_dir, root.read_bytes(), mode=stat_module.S_IMODE(root.stat().st_mode))
+            return 1
+        if not root.is_dir():
+            raise FileNotFoundError(f"no local file or directory {root}")
+        await self.mkdir(remote_dir)
+        gate = asyncio.Semaphore(concurrency)
+        files = []
+        for path in sorted(root.rglob("*")):
+            target = f"{remote_dir.rstrip('/')}/{path.relative_to(root).as_posix()}"
+            if path.is_dir() and not path.is_symlink():
+                await self.mkdir(target)
+            elif path.is_file() and not path.is_symlink():
+                files.append((path, target))
+
+        async def put(path: Path, target: str) -> None:
+            async with gate:
+                data = await asyncio.to_thread(path.read_bytes)
+                await self.write(target, data, mode=stat_module.S_IMODE(path.stat().st_mode))
+
+        await asyncio.gather(*(put(p, t) for p, t in files))
+        return len(files)
+
+    async def download(self, remote_dir: str, local_dir: str | os.PathLike[str]) -> int:
+        """Copy a directory (or file) out of the sandbox; returns the number of files written."""
+        root = Path(local_dir)
+        entry = await self.stat(remote_dir)
+        if entry is None:
+            raise FileNotFoundError(f"no file or directory {remote_dir} in sandbox {self._sandbox.id}")
+        if entry.kind == "file":
+            root.parent.mkdir(parents=True, exist_ok=True)
+            root.write_bytes(await self.read(remote_dir))
+            return 1
+        root.mkdir(parents=True, exist_ok=True)
+        count = 0
+        for item in await self.list(remote_dir, recursive=True):
+            local = root / item.name
+            if item.kind == "dir":
+                local.mkdir(parents=True, exist_ok=True)
+            elif item.kind == "file":
+                local.parent.mkdir(parents=True, exist_ok=True)
+                local.write_bytes(await self.read(f"{remote_dir.rstrip('/')}/{item.name}"))
+                local.chmod(item.mode & 0o777)
+                count += 1
+            elif item.kind == "symlink":
+                local.parent.mkdir(parents=True, exist_ok=True)
+                if not local.is_symlink():
+                    local.symlink_to(item.target)
+        return count

@@ -1,0 +1,230 @@
+"""The blocking SDK: thin wrappers that run the async implementation on a private event loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Coroutine, Iterator, Sequence
+from typing import Any, TypeVar
+
+from shoal.client.aio import DEFAULT_TIMEOUT, AsyncClient, AsyncFiles, AsyncSandbox, AsyncShell, ExecStream
+from shoal.client.results import ExecResult, FileEntry, SandboxInfo
+from shoal.protocol import OutputChunk
+
+T = TypeVar("T")
+
+
+class _Loop:
+    """An event loop on a daemon thread; `run(coro)` blocks the caller until the coroutine is done."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="shoal-client", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            future.cancel()
+            raise
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+class Client:
+    """Blocking client. `with shoal.Client() as client:` connects to (and if need be starts) the node."""
+
+    def __init__(self, address: str | None = None, *, home: str | None = None, autostart: bool = True) -> None:
+        self._loop = _Loop()
+        self._async = AsyncClient(address, home=home, autostart=autostart)
+        try:
+            self._loop.run(self._async.connect())
+        except BaseException:
+            self._loop.stop()
+            raise
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run(coro)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection (sandboxes live on until closed, killed or expired)."""
+        self._run(self._async.close())
+        self._loop.stop()
+
+    def create(self, kind: str = "container", image: str = "debian", **options: Any) -> Sandbox:
+        return Sandbox(self, self._run(self._async.create(kind, image, **options)))
+
+    def create_many(
+        self, count: int, kind: str = "container", image: str = "debian", **options: Any
+    ) -> list[Sandbox | Exception]:
+        made = self._run(self._async.create_many(count, kind, image, **options))
+        return [Sandbox(self, s) if isinstance(s, AsyncSandbox) else s for s in made]
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        return Sandbox(self, self._run(self._async.get(sandbox_id)))
+
+    def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        return self._run(self._async.list(labels))
+
+    def kill(self, sandbox_id: str) -> None:
+        self._run(self._async.kill(sandbox_id))
+
+    def close_all(self, labels: dict[str, str] | None = None) -> int:
+        return self._run(self._async.close_all(labels))
+
+    def set_pool(self, kind: str = "container", image: str = "debian", size: int = 1, **options: Any) -> dict:
+        return self._run(self._async.set_pool(kind, image, size, **options))
+
+    def status(self) -> dict[str, Any]:
+        return self._run(self._async.status())
+
+    def build_image(self, name: str, force: bool = False) -> dict[str, Any]:
+        return self._run(self._async.build_image(name, force))
+
+    def images(self) -> list[str]:
+        return self._run(self._async.images())
+
+
+class Sandbox:
+    """Blocking handle on one sandbox; `with client.create(...) as sb:` closes it at the end."""
+
+    def __init__(self, client: Client, inner: AsyncSandbox) -> None:
+        self._client = client
+        self._inner = inner
+        self.id = inner.id
+        self.files = Files(client, inner.files)
+
+    @property
+    def info(self) -> SandboxInfo:
+        return self._inner.info
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self.info.kind}:{self.info.image}>"
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = DEFAULT_TIMEOUT, **options: Any) -> ExecResult:
+        return self._client._run(self._inner.exec(cmd, timeout=timeout, **options))
+
+    def exec_stream(
+        self, cmd: str | Sequence[str], *, timeout: float | None = DEFAULT_TIMEOUT, **options: Any
+    ) -> SyncExecStream:
+        return SyncExecStream(self._client, self._inner.exec_stream(cmd, timeout=timeout, **options))
+
+    def shell(self) -> Shell:
+        return Shell(self._client, self._client._run(self._inner.shell()))
+
+    def refresh(self) -> SandboxInfo:
+        return self._client._run(self._inner.refresh())
+
+    def keepalive(self, ttl_s: float | None = None) -> None:
+        self._client._run(self._inner.keepalive(ttl_s))
+
+    def close(self) -> None:
+        self._client._run(self._inner.close())
+
+
+class SyncExecStream:
+    """Iterate to get OutputChunk(stream, data) as printed; `.result` holds the ExecResult after."""
+
+    def __init__(self, client: Client, inner: ExecStream) -> None:
+        self._client = client
+        self._inner = inner
+
+    @property
+    def result(self) -> ExecResult | None:
+        return self._inner.result
+
+    def __iter__(self) -> Iterator[OutputChunk]:
+        items: queue.Queue[Any] = queue.Queue()
+        done = object()
+
+        async def pump() -> None:
+            try:
+                async for chunk in self._inner:
+                    items.put(chunk)
+            except BaseException as exc:  # hand the failure to the iterating thread
+                items.put(exc)
+            finally:
+                items.put(done)
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self._client._loop.loop)
+        try:
+            while (item := items.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            future.cancel()
+
+
+class Shell:
+    def __init__(self, client: Client, inner: AsyncShell) -> None:
+        self._client = client
+        self._inner = inner
+        self.id = inner.id
+
+    def run(self, cmd: str, *, timeout: float | None = DEFAULT_TIMEOUT, idle_timeout: float | None = None) -> ExecResult:
+        return self._client._run(self._inner.run(cmd, timeout=timeout, idle_timeout=idle_timeout))
+
+    def close(self) -> None:
+        self._client._run(self._inner.close())
+
+    def __enter__(self) -> Shell:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class Files:
+    def __init__(self, client: Client, inner: AsyncFiles) -> None:
+        self._client = client
+        self._inner = inner
+
+    def write(self, path: str, data: bytes | str, *, mode: int = 0o644, append: bool = False) -> int:
+        return self._client._run(self._inner.write(path, data, mode=mode, append=append))
+
+    def read(self, path: str, *, max_bytes: int = 256 << 20) -> bytes:
+        return self._client._run(self._inner.read(path, max_bytes=max_bytes))
+
+    def read_text(self, path: str) -> str:
+        return self._client._run(self._inner.read_text(path))
+
+    def list(self, path: str = ".", *, recursive: bool = False) -> list[FileEntry]:
+        return self._client._run(self._inner.list(path, recursive=recursive))
+
+    def stat(self, path: str) -> FileEntry | None:
+        return self._client._run(self._inner.stat(path))
+
+    def exists(self, path: str) -> bool:
+        return self._client._run(self._inner.exists(path))
+
+    def mkdir(self, path: str) -> None:
+        self._client._run(self._inner.mkdir(path))
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        self._client._run(self._inner.remove(path, recursive=recursive))
+
+    def upload(self, local_dir: str, remote_dir: str) -> int:
+        return self._client._run(self._inner.upload(local_dir, remote_dir))
+
+    def download(self, remote_dir: str, local_dir: str) -> int:
+        return self._client._run(self._inner.download(remote_dir, local_dir))

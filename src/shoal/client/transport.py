@@ -1,0 +1,126 @@
+"""One multiplexed connection to a node: many concurrent requests, responses matched by id."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from shoal import protocol
+from shoal.errors import ERROR_TYPES, NodeError, ShoalError
+from shoal.protocol import Request
+
+_BUILTIN_ERRORS: dict[str, type[Exception]] = {
+    "FileNotFoundError": FileNotFoundError,
+    "IsADirectoryError": IsADirectoryError,
+    "NotADirectoryError": NotADirectoryError,
+    "PermissionError": PermissionError,
+    "FileExistsError": FileExistsError,
+}
+
+
+def _error(kind: str, message: str) -> Exception:
+    cls = ERROR_TYPES.get(kind) or _BUILTIN_ERRORS.get(kind) or ShoalError
+    return cls(message)
+
+
+class _Call:
+    __slots__ = ("future", "on_event", "on_orphan", "abandoned")
+
+    def __init__(self, future: asyncio.Future, on_event: Callable[[Any], None] | None) -> None:
+        self.future = future
+        self.on_event = on_event
+        self.on_orphan: Callable[[Any], None] | None = None
+        self.abandoned = False
+
+
+class Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, address: str) -> None:
+        self._reader = reader
+        self._writer = writer
+        self.address = address
+        self._ids = itertools.count(1)
+        self._calls: dict[int, _Call] = {}
+        self._closed: BaseException | None = None
+        self._reader_task = asyncio.create_task(self._read_loop())
+
+    @classmethod
+    async def open_unix(cls, path: str) -> Connection:
+        reader, writer = await asyncio.open_unix_connection(path, limit=1 << 24)
+        return cls(reader, writer, path)
+
+    async def call(
+        self,
+        op: str,
+        args: dict[str, Any] | None = None,
+        *,
+        on_event: Callable[[Any], None] | None = None,
+        on_orphan: Callable[[Any], None] | None = None,
+    ) -> Any:
+        """Send one request and wait for its response; cancelling this call cancels it on the node.
+
+        `on_orphan(result)` runs if the node finishes the request after this call was cancelled, so a
+        result that nobody awaits (a sandbox created for a cancelled task) can be released.
+        """
+        if self._closed is not None:
+            raise NodeError(f"the connection to the node at {self.address} is closed: {self._closed}")
+        request_id = next(self._ids)
+        call = _Call(asyncio.get_running_loop().create_future(), on_event)
+        self._calls[request_id] = call
+        self._writer.write(protocol.encode(Request(id=request_id, op=op, args=args or {})))
+        try:
+            if self._writer.transport.get_write_buffer_size() > 1 << 20:
+                await self._writer.drain()
+            return await asyncio.shield(call.future)
+        except asyncio.CancelledError:
+            if not call.future.done() and self._closed is None:
+                call.abandoned = True
+                call.on_orphan = on_orphan
+                cancel = Request(id=next(self._ids), op="cancel", args={"request_id": request_id})
+                self._writer.write(protocol.encode(cancel))
+            raise
+        finally:
+            if not call.abandoned:
+                self._calls.pop(request_id, None)
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                body = await protocol.read_frame(self._reader)
+                if body is None:
+                    raise ConnectionResetError("the node closed the connection")
+                response = protocol.decode_response(body)
+                call = self._calls.get(response.id)
+                if call is None:
+                    continue
+                if response.event is not None:
+                    if call.on_event is not None:
+                        call.on_event(response.event)
+                    continue
+                if call.abandoned:  # the caller was cancelled; the node answered anyway
+                    self._calls.pop(response.id, None)
+                    if call.on_orphan is not None and response.error is None:
+                        call.on_orphan(response.result)
+                    continue
+                if response.error is not None:
+                    call.future.set_exception(_error(response.error.type, response.error.message))
+                else:
+                    call.future.set_result(response.result)
+        except Exception as exc:
+            self._closed = exc
+            failure = NodeError(f"lost the connection to the node at {self.address}: {exc}")
+            for call in self._calls.values():
+                if not call.future.done() and not call.abandoned:
+                    call.future.set_exception(failure)
+            self._calls.clear()
+
+    async def close(self) -> None:
+        if self._closed is None:
+            self._closed = ConnectionAbortedError("closed by the client")
+        self._reader_task.cancel()
+        self._writer.close()
+        try:
+            await self._writer.wait_closed()
+        except Exception:  # noqa: S110 - closing anyway
+            pass

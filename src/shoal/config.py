@@ -1,0 +1,67 @@
+"""Where shoal keeps its state, and the node's settings, from the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Paths:
+    """The directories one node uses. `home` is private to the node; `images` may be shared."""
+
+    home: Path
+    images: Path
+
+    @classmethod
+    def from_env(cls) -> Paths:
+        home = Path(os.environ.get("SHOAL_HOME", "/var/lib/shoal"))
+        images = Path(os.environ.get("SHOAL_IMAGES", str(home / "images")))
+        return cls(home=home, images=images)
+
+    @property
+    def socket(self) -> Path:
+        return self.home / "node.sock"
+
+    @property
+    def lock(self) -> Path:
+        return self.home / "node.lock"
+
+    @property
+    def log(self) -> Path:
+        return self.home / "node.log"
+
+    @property
+    def sandboxes(self) -> Path:
+        return self.home / "sandboxes"
+
+    @property
+    def runtime_root(self) -> Path:
+        """State directory handed to the OCI runtime (`--root`), so we list only our own."""
+        return self.home / "runtime"
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """Tunables of one node; every one can be set from the environment."""
+
+    node_id: str = "local"
+    output_cap_bytes: int = 1 << 20
+    pool_sizes: dict[str, int] = field(default_factory=dict)
+    max_sandboxes: int = 20000
+    cgroup_parent: str = "shoal"
+
+    @classmethod
+    def from_env(cls) -> NodeSettings:
+        pools: dict[str, int] = {}
+        for item in filter(None, os.environ.get("SHOAL_POOLS", "").split(",")):
+            key, _, size = item.partition("=")
+            pools[key.strip()] = int(size)
+        return cls(
+            node_id=os.environ.get("SHOAL_NODE_ID", "local"),
+            output_cap_bytes=int(os.environ.get("SHOAL_OUTPUT_CAP", str(1 << 20))),
+            pool_sizes=pools,
+            max_sandboxes=int(os.environ.get("SHOAL_MAX_SANDBOXES", "20000")),
+            cgroup_parent=os.environ.get("SHOAL_CGROUP_PARENT", "shoal"),
+        )

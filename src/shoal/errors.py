@@ -1,0 +1,75 @@
+"""The exception tree users catch. Every error names its cause and, where there is one, the remedy."""
+
+from __future__ import annotations
+
+
+class ShoalError(Exception):
+    """Base of every error shoal raises."""
+
+
+class InvalidRequestError(ShoalError, ValueError):
+    """The request cannot be served as given (bad argument, impossible limit)."""
+
+
+class UnsupportedKindError(InvalidRequestError):
+    """The sandbox kind is unknown or not available on this node."""
+
+
+class NotFoundError(ShoalError, LookupError):
+    """Something named in the request does not exist."""
+
+
+class SandboxNotFoundError(NotFoundError):
+    """No sandbox with that ID exists (it was never made, or it has been closed)."""
+
+
+class ImageError(ShoalError):
+    """An image could not be built, imported or used."""
+
+
+class ImageNotFoundError(ImageError, NotFoundError):
+    """No image by that name is known to the node."""
+
+
+class SandboxClosedError(SandboxNotFoundError):
+    """The sandbox was closed (by the client, a TTL, or a kill); it takes no more requests."""
+
+
+class SandboxLostError(ShoalError):
+    """The sandbox died or its agent stopped answering; its state is gone."""
+
+
+class CapacityError(ShoalError):
+    """The node cannot take more sandboxes of this shape right now."""
+
+
+class TimeoutError(ShoalError, TimeoutError):  # noqa: A001 - deliberate: also a builtin TimeoutError
+    """An operation (not an exec: execs report `timed_out`) did not finish in time."""
+
+
+class NodeError(ShoalError):
+    """The node agent could not be reached or started."""
+
+
+class DivergenceError(ShoalError):
+    """A re-issued step differs from the one recorded in the trajectory log."""
+
+
+ERROR_TYPES: dict[str, type[ShoalError]] = {
+    cls.__name__: cls
+    for cls in [
+        ShoalError,
+        InvalidRequestError,
+        UnsupportedKindError,
+        NotFoundError,
+        SandboxNotFoundError,
+        ImageError,
+        ImageNotFoundError,
+        SandboxClosedError,
+        SandboxLostError,
+        CapacityError,
+        TimeoutError,
+        NodeError,
+        DivergenceError,
+    ]
+}

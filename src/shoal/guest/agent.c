@@ -1,0 +1,1338 @@
+/*
+ * shoal-agent: the guest agent that runs as PID 1 inside a shoal container.
+ *
+ * It accepts connections on an already-listening AF_UNIX stream socket
+ * (fd 3 by default, or `--fd N`) and forks one handler per connection.  Each
+ * handler serves exactly one request (exec, file read/write/list/stat/mkdir/
+ * remove, hello) and exits.  The main process only accepts and reaps.
+ *
+ * Wire format (both directions): u32 length L (type byte + payload), u8 type,
+ * L-1 payload bytes.  All integers are big-endian.  See client.py for the
+ * request/reply catalogue.
+ *
+ * Build: gcc -O2 -static -Wall -Wextra -o shoal-agent agent.c
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define AGENT_VERSION "shoal-agent 1"
+#define MAX_FRAME (16u << 20)     /* max L (type byte + payload) */
+#define PIPE_CHUNK (64u << 10)    /* max bytes per 'O'/'R' frame */
+#define FILE_CHUNK (1u << 20)     /* max bytes per 'D' frame */
+#define STDIN_HIGH (1u << 20)     /* stop reading the client above this much pending stdin */
+#define DRAIN_IDLE_NS 20000000LL  /* after exit: finish once pipes are idle this long */
+#define DRAIN_MAX_NS 2000000000LL /* after exit: finish at the latest after this long */
+#define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+#define EXEC_STDIN_PIPE 1u
+#define EXEC_MERGE_STDERR 2u
+#define WRITE_MKDIRS 1u
+#define WRITE_APPEND 2u
+
+/* ------------------------------------------------------------------------ */
+/* Handler-global state                                                      */
+
+static pid_t agent_pid = 0;     /* the main (accepting) process */
+static int conn = -1;           /* the client connection of this handler */
+static pid_t cmd_pid = 0;       /* exec: the command (also its pgid/sid) */
+static int cmd_reaped = 0;      /* exec: cmd_pid has been waited for */
+static int cmd_status = 0;      /* exec: its wait status */
+static int sigchld_pipe[2] = {-1, -1};
+
+static unsigned char obuf[PIPE_CHUNK + 1024]; /* buffered outgoing frames */
+static size_t olen = 0;
+
+static unsigned char *ibuf = NULL; /* buffered incoming bytes */
+static size_t icap = 0, ilen = 0, ipos = 0;
+
+static void kill_tree(int sig);
+
+static void put_u32(unsigned char *p, uint32_t v) {
+    p[0] = (unsigned char)(v >> 24);
+    p[1] = (unsigned char)(v >> 16);
+    p[2] = (unsigned char)(v >> 8);
+    p[3] = (unsigned char)v;
+}
+
+static void put_u64(unsigned char *p, uint64_t v) {
+    put_u32(p, (uint32_t)(v >> 32));
+    put_u32(p + 4, (uint32_t)v);
+}
+
+static uint32_t rd_u32(const unsigned char *p) {
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* The client went away: kill whatever we started and leave. */
+static void conn_lost(void) {
+    if (cmd_pid > 0)
+        kill_tree(SIGKILL);
+    _exit(1);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Output                                                                    */
+
+static void writev_all(struct iovec *iov, int cnt) {
+    while (cnt > 0) {
+        ssize_t n = writev(conn, iov, cnt);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            conn_lost();
+        }
+        while (cnt > 0 && (size_t)n >= iov->iov_len) {
+            n -= (ssize_t)iov->iov_len;
+            iov++;
+            cnt--;
+        }
+        if (cnt > 0) {
+            iov->iov_base = (char *)iov->iov_base + n;
+            iov->iov_len -= (size_t)n;
+        }
+    }
+}
+
+static void flush_out(void) {
+    if (olen == 0)
+        return;
+    struct iovec iov = {obuf, olen};
+    writev_all(&iov, 1);
+    olen = 0;
+}
+
+static void send_frame(char type, const void *data, size_t len) {
+    unsigned char hdr[5];
+    put_u32(hdr, (uint32_t)(len + 1));
+    hdr[4] = (unsigned char)type;
+    if (len + 5 > sizeof(obuf) - olen)
+        flush_out();
+    if (len + 5 <= sizeof(obuf) - olen) {
+        memcpy(obuf + olen, hdr, 5);
+        if (len)
+            memcpy(obuf + olen + 5, data, len);
+        olen += len + 5;
+        return;
+    }
+    struct iovec iov[2] = {{hdr, 5}, {(void *)data, len}};
+    writev_all(iov, 2);
+}
+
+static void send_err(int err, const char *fmt, ...) {
+    unsigned char buf[4 + 1024];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf((char *)buf + 4, sizeof(buf) - 4, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        n = 0;
+    if ((size_t)n > sizeof(buf) - 5)
+        n = (int)(sizeof(buf) - 5);
+    put_u32(buf, (uint32_t)err);
+    send_frame('Z', buf, 4 + (size_t)n);
+    flush_out();
+}
+
+static void send_ok(const void *data, size_t len) {
+    send_frame('A', data, len);
+    flush_out();
+}
+
+/* 'N' record: u8 kind, u32 mode, u32 uid, u32 gid, u64 size, i64 mtime_ns,
+ * name\0, target\0 */
+static void send_stat(const char *name, const struct stat *st, const char *target) {
+    size_t nl = strlen(name), tl = strlen(target);
+    size_t len = 1 + 4 + 4 + 4 + 8 + 8 + nl + 1 + tl + 1;
+    unsigned char stackbuf[4096];
+    unsigned char *b = len <= sizeof(stackbuf) ? stackbuf : malloc(len);
+    if (!b)
+        _exit(1);
+    char kind = S_ISREG(st->st_mode) ? 'f' : S_ISDIR(st->st_mode) ? 'd' : S_ISLNK(st->st_mode) ? 'l' : 'o';
+    b[0] = (unsigned char)kind;
+    put_u32(b + 1, (uint32_t)(st->st_mode & 07777));
+    put_u32(b + 5, (uint32_t)st->st_uid);
+    put_u32(b + 9, (uint32_t)st->st_gid);
+    put_u64(b + 13, (uint64_t)st->st_size);
+    put_u64(b + 21, (uint64_t)((int64_t)st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec));
+    memcpy(b + 29, name, nl + 1);
+    memcpy(b + 29 + nl + 1, target, tl + 1);
+    send_frame('N', b, len);
+    if (b != stackbuf)
+        free(b);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Input                                                                     */
+
+/* Read more bytes from the client.  Returns >0 bytes read, 0 on EOF, -1 if it
+ * would block (nonblocking mode), -2 on error. */
+static int fill_input(int blocking) {
+    if (ipos > 0) {
+        memmove(ibuf, ibuf + ipos, ilen - ipos);
+        ilen -= ipos;
+        ipos = 0;
+    }
+    size_t want = 64u << 10;
+    if (ilen >= 4) {
+        uint32_t l = rd_u32(ibuf);
+        if (l <= MAX_FRAME && 4 + (size_t)l > ilen + want)
+            want = 4 + (size_t)l - ilen;
+    }
+    if (icap - ilen < want) {
+        size_t ncap = ilen + want;
+        unsigned char *nb = realloc(ibuf, ncap);
+        if (!nb)
+            return -2;
+        ibuf = nb;
+        icap = ncap;
+    }
+    for (;;) {
+        ssize_t n = recv(conn, ibuf + ilen, icap - ilen, blocking ? 0 : MSG_DONTWAIT);
+        if (n > 0) {
+            ilen += (size_t)n;
+            return 1;
+        }
+        if (n == 0)
+            return 0;
+        if (errno == EINTR)
+            continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK)
+            return -1;
+        return -2;
+    }
+}
+
+/* Take one complete frame from the input buffer, if there is one.  The
+ * payload pointer stays valid until the next fill_input(). */
+static int next_frame(char *type, unsigned char **payload, uint32_t *plen) {
+    size_t avail = ilen - ipos;
+    if (avail < 5)
+        return 0;
+    uint32_t l = rd_u32(ibuf + ipos);
+    if (l == 0 || l > MAX_FRAME) {
+        send_err(EMSGSIZE, "bad frame length %u (max %u)", l, MAX_FRAME);
+        conn_lost();
+    }
+    if (avail < 4 + (size_t)l)
+        return 0;
+    *type = (char)ibuf[ipos + 4];
+    *payload = ibuf + ipos + 5;
+    *plen = l - 1;
+    ipos += 4 + (size_t)l;
+    return 1;
+}
+
+/* Blocking read of one frame; returns 0 on EOF/error. */
+static int read_frame(char *type, unsigned char **payload, uint32_t *plen) {
+    while (!next_frame(type, payload, plen)) {
+        if (fill_input(1) <= 0)
+            return 0;
+    }
+    return 1;
+}
+
+/* Payload cursor */
+struct cur {
+    const unsigned char *p;
+    size_t n;
+    int bad;
+};
+
+static uint32_t get_u32(struct cur *c) {
+    if (c->n < 4) {
+        c->bad = 1;
+        return 0;
+    }
+    uint32_t v = rd_u32(c->p);
+    c->p += 4;
+    c->n -= 4;
+    return v;
+}
+
+static uint64_t get_u64(struct cur *c) {
+    uint64_t hi = get_u32(c);
+    return (hi << 32) | get_u32(c);
+}
+
+static uint8_t get_u8(struct cur *c) {
+    if (c->n < 1) {
+        c->bad = 1;
+        return 0;
+    }
+    uint8_t v = c->p[0];
+    c->p++;
+    c->n--;
+    return v;
+}
+
+static const char *get_str(struct cur *c) {
+    const unsigned char *z = c->n ? memchr(c->p, 0, c->n) : NULL;
+    if (!z) {
+        c->bad = 1;
+        return "";
+    }
+    const char *s = (const char *)c->p;
+    c->n -= (size_t)(z - c->p) + 1;
+    c->p = z + 1;
+    return s;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Process tree handling                                                     */
+
+static void reap_children(void) {
+    int st;
+    pid_t p;
+    while ((p = waitpid(-1, &st, WNOHANG)) > 0) {
+        if (p == cmd_pid) {
+            cmd_status = st;
+            cmd_reaped = 1;
+        }
+    }
+}
+
+/* Signal every live descendant of this process; returns how many. */
+static int kill_descendants(int sig) {
+    DIR *d = opendir("/proc");
+    if (!d)
+        return 0;
+    size_t cap = 256, n = 0;
+    pid_t *pids = malloc(cap * sizeof(pid_t)), *ppids = malloc(cap * sizeof(pid_t));
+    char *zomb = malloc(cap);
+    if (!pids || !ppids || !zomb) {
+        closedir(d);
+        free(pids);
+        free(ppids);
+        free(zomb);
+        return 0;
+    }
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] < '1' || e->d_name[0] > '9')
+            continue;
+        char path[64], buf[256];
+        int pid = atoi(e->d_name);
+        snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+            continue;
+        ssize_t r = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        if (r <= 0)
+            continue;
+        buf[r] = 0;
+        char *rp = strrchr(buf, ')');
+        char state;
+        int ppid;
+        if (!rp || sscanf(rp + 1, " %c %d", &state, &ppid) != 2)
+            continue;
+        if (n == cap) {
+            cap *= 2;
+            pid_t *np = realloc(pids, cap * sizeof(pid_t));
+            if (np)
+                pids = np;
+            pid_t *npp = realloc(ppids, cap * sizeof(pid_t));
+            if (npp)
+                ppids = npp;
+            char *nz = realloc(zomb, cap);
+            if (nz)
+                zomb = nz;
+            if (!np || !npp || !nz)
+                break;
+        }
+        pids[n] = (pid_t)pid;
+        ppids[n] = (pid_t)ppid;
+        zomb[n] = (char)(state == 'Z' || state == 'X');
+        n++;
+    }
+    closedir(d);
+
+    /* Mark descendants: in_tree[i] = 1 if i's parent chain reaches us. */
+    char *in_tree = calloc(n ? n : 1, 1);
+    pid_t self = getpid();
+    int killed = 0;
+    if (in_tree) {
+        int changed = 1;
+        while (changed) {
+            changed = 0;
+            for (size_t i = 0; i < n; i++) {
+                if (in_tree[i])
+                    continue;
+                int hit = ppids[i] == self;
+                for (size_t j = 0; !hit && j < n; j++)
+                    hit = in_tree[j] && pids[j] == ppids[i];
+                if (hit) {
+                    in_tree[i] = 1;
+                    changed = 1;
+                }
+            }
+        }
+        for (size_t i = 0; i < n; i++) {
+            if (in_tree[i] && !zomb[i] && kill(pids[i], sig) == 0)
+                killed++;
+        }
+    }
+    free(in_tree);
+    free(pids);
+    free(ppids);
+    free(zomb);
+    return killed;
+}
+
+/* Signal the command's process group and every descendant of this handler.
+ * For SIGKILL repeat until nothing is left (processes may fork meanwhile). */
+static void kill_tree(int sig) {
+    for (int round = 0; round < 200; round++) {
+        if (cmd_pid > 0)
+            kill(-cmd_pid, sig);
+        int n = kill_descendants(sig);
+        reap_children();
+        if (sig != SIGKILL || n == 0)
+            return;
+        if (round > 0)
+            usleep(1000);
+    }
+}
+
+static void on_sigchld(int s) {
+    (void)s;
+    int saved = errno;
+    char c = 0;
+    (void)!write(sigchld_pipe[1], &c, 1);
+    errno = saved;
+}
+
+/* ------------------------------------------------------------------------ */
+/* exec                                                                      */
+
+static void child_fail(const char *what, const char *arg, int err) {
+    dprintf(2, "shoal: %s %s: %s\n", what, arg, strerror(err));
+    _exit(err == EACCES ? 126 : 127);
+}
+
+static void exec_sh(const char *path, char **argv, char **envp) {
+    int argc = 0;
+    while (argv[argc])
+        argc++;
+    char **nargv = calloc((size_t)argc + 2, sizeof(char *));
+    if (!nargv)
+        return;
+    nargv[0] = "/bin/sh";
+    nargv[1] = (char *)path;
+    for (int i = 1; i < argc; i++)
+        nargv[i + 1] = argv[i];
+    execve("/bin/sh", nargv, envp);
+    errno = ENOEXEC;
+}
+
+/* execvpe() that looks up PATH in envp (glibc uses the caller's environ). */
+static void exec_search(char **argv, char **envp) {
+    const char *file = argv[0];
+    if (!*file)
+        child_fail("exec", file, ENOENT);
+    if (strchr(file, '/')) {
+        execve(file, argv, envp);
+        if (errno == ENOEXEC)
+            exec_sh(file, argv, envp);
+        child_fail("exec", file, errno);
+    }
+    const char *path = DEFAULT_PATH;
+    for (char **e = envp; *e; e++) {
+        if (strncmp(*e, "PATH=", 5) == 0)
+            path = *e + 5;
+    }
+    size_t flen = strlen(file);
+    int saw_eacces = 0;
+    char buf[PATH_MAX];
+    for (const char *p = path;; p++) {
+        const char *end = strchrnul(p, ':');
+        size_t dlen = (size_t)(end - p);
+        if (dlen == 0) {
+            if (flen + 1 <= sizeof(buf))
+                memcpy(buf, file, flen + 1);
+        } else if (dlen + 1 + flen + 1 <= sizeof(buf)) {
+            memcpy(buf, p, dlen);
+            buf[dlen] = '/';
+            memcpy(buf + dlen + 1, file, flen + 1);
+        } else {
+            goto next;
+        }
+        execve(buf, argv, envp);
+        switch (errno) {
+        case EACCES:
+            saw_eacces = 1;
+            break;
+        case ENOENT:
+        case ENOTDIR:
+        case ESTALE:
+        case ENODEV:
+        case ETIMEDOUT:
+        case ENAMETOOLONG:
+        case ELOOP:
+            break;
+        case ENOEXEC:
+            exec_sh(buf, argv, envp);
+            child_fail("exec", file, errno);
+            break;
+        default:
+            child_fail("exec", file, errno);
+        }
+    next:
+        if (!*end)
+            break;
+        p = end;
+    }
+    child_fail("exec", file, saw_eacces ? EACCES : ENOENT);
+}
+
+static void exec_child(const char *cwd, uint32_t uid, uint32_t gid, int in_rd, int out_wr,
+                       int err_wr, char **argv, char **envp) {
+    setsid();
+    if (in_rd < 0) {
+        in_rd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        if (in_rd < 0)
+            child_fail("open", "/dev/null", errno);
+    }
+    /* All source fds are > 2 (fds 0-2 are always open) and CLOEXEC. */
+    if (dup2(in_rd, 0) < 0 || dup2(out_wr, 1) < 0 || dup2(err_wr, 2) < 0)
+        _exit(127);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = SIG_DFL;
+    for (int s = 1; s < NSIG; s++)
+        sigaction(s, &sa, NULL);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    if (chdir(cwd) < 0)
+        child_fail("chdir", cwd, errno);
+    if (uid != (uint32_t)getuid() || gid != (uint32_t)getgid() || uid != (uint32_t)geteuid() ||
+        gid != (uint32_t)getegid()) {
+        char ids[32];
+        snprintf(ids, sizeof(ids), "%u:%u", uid, gid);
+        if (setgroups(0, NULL) < 0 && errno != EPERM)
+            child_fail("setgroups", ids, errno);
+        if (setgid((gid_t)gid) < 0)
+            child_fail("setgid", ids, errno);
+        if (setuid((uid_t)uid) < 0)
+            child_fail("setuid", ids, errno);
+    }
+    exec_search(argv, envp);
+}
+
+static int set_nonblock(int fd) {
+    int fl = fcntl(fd, F_GETFL);
+    return fl < 0 ? -1 : fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+}
+
+static void do_exec(const unsigned char *pl, uint32_t plen) {
+    struct cur c = {pl, plen, 0};
+    uint32_t cap = get_u32(&c), uid = get_u32(&c), gid = get_u32(&c), flags = get_u32(&c);
+    const char *cwd = get_str(&c);
+    uint32_t argc = get_u32(&c);
+    if (c.bad || argc == 0 || argc > plen) {
+        send_err(EINVAL, "exec: malformed request");
+        return;
+    }
+    char **argv = calloc((size_t)argc + 1, sizeof(char *));
+    if (!argv) {
+        send_err(ENOMEM, "exec: out of memory");
+        return;
+    }
+    for (uint32_t i = 0; i < argc; i++)
+        argv[i] = (char *)get_str(&c);
+    uint32_t envc = get_u32(&c);
+    if (c.bad || envc > plen) {
+        send_err(EINVAL, "exec: malformed request");
+        return;
+    }
+    char **envp = calloc((size_t)envc + 1, sizeof(char *));
+    if (!envp) {
+        send_err(ENOMEM, "exec: out of memory");
+        return;
+    }
+    for (uint32_t i = 0; i < envc; i++)
+        envp[i] = (char *)get_str(&c);
+    if (c.bad) {
+        send_err(EINVAL, "exec: malformed request");
+        return;
+    }
+
+    int merge = (flags & EXEC_MERGE_STDERR) != 0;
+    int outp[2] = {-1, -1}, errp[2] = {-1, -1}, inp[2] = {-1, -1};
+    if (pipe2(outp, O_CLOEXEC) < 0 || (!merge && pipe2(errp, O_CLOEXEC) < 0) ||
+        ((flags & EXEC_STDIN_PIPE) && pipe2(inp, O_CLOEXEC) < 0) ||
+        pipe2(sigchld_pipe, O_CLOEXEC | O_NONBLOCK) < 0) {
+        send_err(errno, "exec %s: pipe: %s", argv[0], strerror(errno));
+        return;
+    }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_sigchld;
+    sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+    sigaction(SIGCHLD, &sa, NULL);
+
+    pid_t pid = fork();
+    if (pid < 0) {
+        send_err(errno, "exec %s: fork: %s", argv[0], strerror(errno));
+        return;
+    }
+    if (pid == 0)
+        exec_child(cwd, uid, gid, inp[0], outp[1], merge ? outp[1] : errp[1], argv, envp);
+    cmd_pid = pid;
+    close(outp[1]);
+    if (!merge)
+        close(errp[1]);
+    if (inp[0] >= 0)
+        close(inp[0]);
+    int fds[2] = {outp[0], merge ? -1 : errp[0]};
+    int in_fd = inp[1];
+    set_nonblock(fds[0]);
+    if (fds[1] >= 0)
+        set_nonblock(fds[1]);
+    if (in_fd >= 0)
+        set_nonblock(in_fd);
+
+    unsigned char hdr[4];
+    put_u32(hdr, (uint32_t)pid);
+    send_frame('P', hdr, 4);
+
+    static unsigned char buf[PIPE_CHUNK];
+    uint64_t sent[2] = {0, 0}, dropped[2] = {0, 0};
+    unsigned char *inbuf = NULL;
+    size_t in_len = 0, in_off = 0;
+    int close_pending = 0;
+    int64_t exit_at = 0, last_data = 0;
+
+    reap_children();
+    for (;;) {
+        if (cmd_reaped) {
+            if (exit_at == 0)
+                exit_at = last_data = now_ns();
+            if (in_fd >= 0) {
+                close(in_fd);
+                in_fd = -1;
+            }
+        }
+        if (in_fd >= 0 && close_pending && in_len == in_off) {
+            close(in_fd);
+            in_fd = -1;
+        }
+        int timeout = -1;
+        if (cmd_reaped) {
+            if (fds[0] < 0 && fds[1] < 0)
+                break;
+            int64_t t = now_ns();
+            int64_t left = last_data + DRAIN_IDLE_NS - t;
+            if (exit_at + DRAIN_MAX_NS - t < left)
+                left = exit_at + DRAIN_MAX_NS - t;
+            if (left <= 0)
+                break;
+            timeout = (int)((left + 999999) / 1000000);
+        }
+        flush_out();
+
+        struct pollfd pfd[5];
+        int np = 0, i_conn, i_sig, i_out[2] = {-1, -1}, i_in = -1;
+        i_conn = np;
+        pfd[np++] = (struct pollfd){conn, (short)(in_len - in_off < STDIN_HIGH ? POLLIN : 0), 0};
+        i_sig = np;
+        pfd[np++] = (struct pollfd){sigchld_pipe[0], POLLIN, 0};
+        for (int k = 0; k < 2; k++) {
+            if (fds[k] >= 0) {
+                i_out[k] = np;
+                pfd[np++] = (struct pollfd){fds[k], POLLIN, 0};
+            }
+        }
+        if (in_fd >= 0 && in_len > in_off) {
+            i_in = np;
+            pfd[np++] = (struct pollfd){in_fd, POLLOUT, 0};
+        }
+        int r = poll(pfd, (nfds_t)np, timeout);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            conn_lost();
+        }
+        if (r == 0)
+            continue; /* drain deadline re-checked at the top */
+
+        if (pfd[i_sig].revents) {
+            char tmp[64];
+            while (read(sigchld_pipe[0], tmp, sizeof(tmp)) > 0) {
+            }
+            reap_children();
+        }
+        for (int k = 0; k < 2; k++) {
+            if (i_out[k] < 0 || !pfd[i_out[k]].revents)
+                continue;
+            ssize_t n = read(fds[k], buf, sizeof(buf));
+            if (n > 0) {
+                size_t take = (size_t)n;
+                if (cap && sent[k] + take > cap)
+                    take = sent[k] >= cap ? 0 : (size_t)(cap - sent[k]);
+                if (take)
+                    send_frame(k ? 'R' : 'O', buf, take);
+                sent[k] += take;
+                dropped[k] += (uint64_t)n - take;
+                last_data = now_ns();
+            } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+                close(fds[k]);
+                fds[k] = -1;
+            }
+        }
+        if (i_in >= 0 && pfd[i_in].revents) {
+            ssize_t n = write(in_fd, inbuf + in_off, in_len - in_off);
+            if (n > 0) {
+                in_off += (size_t)n;
+                if (in_off == in_len)
+                    in_off = in_len = 0;
+            } else if (n < 0 && errno != EINTR && errno != EAGAIN) {
+                close(in_fd); /* EPIPE: the command closed its stdin */
+                in_fd = -1;
+                in_off = in_len = 0;
+            }
+        }
+        short crev = pfd[i_conn].revents;
+        if (crev & POLLIN) {
+            int fr = fill_input(0);
+            if (fr == 0 || fr == -2)
+                conn_lost();
+            char type;
+            unsigned char *p;
+            uint32_t n;
+            while (next_frame(&type, &p, &n)) {
+                if (type == 'I') {
+                    if (in_fd < 0 || close_pending || n == 0)
+                        continue;
+                    if (in_off > 0 && in_off == in_len)
+                        in_off = in_len = 0;
+                    unsigned char *nb = realloc(inbuf, in_len + n);
+                    if (!nb)
+                        conn_lost();
+                    inbuf = nb;
+                    memcpy(inbuf + in_len, p, n);
+                    in_len += n;
+                } else if (type == 'C') {
+                    close_pending = 1;
+                } else if (type == 'K' && n >= 4) {
+                    uint32_t sig = rd_u32(p);
+                    if (sig > 0 && sig < (uint32_t)NSIG)
+                        kill_tree((int)sig);
+                }
+            }
+        } else if (crev & (POLLHUP | POLLERR)) {
+            conn_lost();
+        }
+    }
+
+    int code, sig = 0;
+    if (WIFEXITED(cmd_status)) {
+        code = WEXITSTATUS(cmd_status);
+    } else {
+        sig = WIFSIGNALED(cmd_status) ? WTERMSIG(cmd_status) : 0;
+        code = 128 + sig;
+    }
+    unsigned char x[24];
+    put_u32(x, (uint32_t)code);
+    put_u32(x + 4, (uint32_t)sig);
+    put_u64(x + 8, dropped[0]);
+    put_u64(x + 16, dropped[1]);
+    send_frame('X', x, sizeof(x));
+    flush_out();
+}
+
+/* ------------------------------------------------------------------------ */
+/* Files                                                                     */
+
+/* Create `path` (and its parents) as directories; with include_last == 0 only
+ * the parents.  New directories get mode/uid/gid.  On error returns -errno and
+ * copies the failing path into `failed`. */
+static int make_dirs(const char *path, mode_t mode, uid_t uid, gid_t gid, int include_last,
+                     char *failed, size_t failed_len) {
+    size_t len = strlen(path);
+    char *buf = malloc(len + 1);
+    if (!buf)
+        return -ENOMEM;
+    memcpy(buf, path, len + 1);
+    size_t stop = len;
+    if (!include_last) {
+        while (stop > 0 && buf[stop - 1] == '/')
+            stop--;
+        while (stop > 0 && buf[stop - 1] != '/')
+            stop--;
+    }
+    int rc = 0;
+    for (size_t i = 1; i <= stop && rc == 0; i++) {
+        if (i < stop && buf[i] != '/')
+            continue;
+        if (buf[i - 1] == '/')
+            continue; /* empty component or the root */
+        char saved = buf[i];
+        buf[i] = 0;
+        if (mkdir(buf, 0700) == 0) {
+            if (chown(buf, uid, gid) < 0 || chmod(buf, mode) < 0)
+                rc = -errno;
+        } else if (errno == EEXIST) {
+            struct stat st;
+            if (stat(buf, &st) < 0)
+                rc = -errno;
+            else if (!S_ISDIR(st.st_mode))
+                rc = -ENOTDIR;
+        } else {
+            rc = -errno;
+        }
+        if (rc)
+            snprintf(failed, failed_len, "%s", buf);
+        buf[i] = saved;
+    }
+    free(buf);
+    return rc;
+}
+
+static void do_read(const unsigned char *pl, uint32_t plen) {
+    struct cur c = {pl, plen, 0};
+    uint64_t max = get_u64(&c);
+    const char *path = get_str(&c);
+    if (c.bad) {
+        send_err(EINVAL, "read: malformed request");
+        return;
+    }
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (fd < 0) {
+        send_err(errno, "open %s: %s", path, strerror(errno));
+        return;
+    }
+    struct stat st;
+    if (fstat(fd, &st) < 0) {
+        send_err(errno, "stat %s: %s", path, strerror(errno));
+        return;
+    }
+    if (S_ISDIR(st.st_mode)) {
+        send_err(EISDIR, "read %s: %s", path, strerror(EISDIR));
+        return;
+    }
+    if (S_ISREG(st.st_mode) && (uint64_t)st.st_size > max) {
+        send_err(EFBIG, "read %s: file is %lld bytes, limit is %llu bytes", path,
+                 (long long)st.st_size, (unsigned long long)max);
+        return;
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0)
+        fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    unsigned char *buf = malloc(FILE_CHUNK);
+    if (!buf) {
+        send_err(ENOMEM, "read %s: out of memory", path);
+        return;
+    }
+    send_stat(path, &st, "");
+    uint64_t total = 0;
+    for (;;) {
+        ssize_t n = read(fd, buf, FILE_CHUNK);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            send_err(errno, "read %s: %s", path, strerror(errno));
+            return;
+        }
+        if (n == 0)
+            break;
+        total += (uint64_t)n;
+        if (total > max) {
+            send_err(EFBIG, "read %s: more than %llu bytes", path, (unsigned long long)max);
+            return;
+        }
+        send_frame('D', buf, (size_t)n);
+    }
+    send_ok(NULL, 0);
+}
+
+static void do_write(const unsigned char *pl, uint32_t plen) {
+    struct cur c = {pl, plen, 0};
+    uint32_t mode = get_u32(&c), uid = get_u32(&c), gid = get_u32(&c), flags = get_u32(&c);
+    const char *rpath = get_str(&c);
+    int err = 0;
+    char msg[1024] = "";
+    const char *path = rpath;
+    char *tmp = NULL;
+    int fd = -1, created = 1;
+    uint64_t total = 0;
+    if (c.bad) {
+        err = EINVAL;
+        snprintf(msg, sizeof(msg), "write: malformed request");
+        goto drain;
+    }
+    const char *slash = strrchr(path, '/');
+    const char *base = slash ? slash + 1 : path;
+    if (!*base) {
+        err = EISDIR;
+        snprintf(msg, sizeof(msg), "write %s: %s", path, strerror(err));
+        goto drain;
+    }
+    if (flags & WRITE_MKDIRS) {
+        char failed[512];
+        int rc = make_dirs(path, 0755, uid, gid, 0, failed, sizeof(failed));
+        if (rc) {
+            err = -rc;
+            snprintf(msg, sizeof(msg), "mkdir %s: %s", failed, strerror(err));
+            goto drain;
+        }
+    }
+    if (flags & WRITE_APPEND) {
+        fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600);
+        if (fd < 0 && errno == EEXIST) {
+            created = 0;
+            fd = open(path, O_WRONLY | O_APPEND | O_CLOEXEC | O_NOCTTY);
+        }
+        if (fd < 0) {
+            err = errno;
+            snprintf(msg, sizeof(msg), "open %s: %s", path, strerror(err));
+            goto drain;
+        }
+    } else {
+        size_t dlen = (size_t)(base - path);
+        tmp = malloc(dlen + strlen(base) + 32);
+        if (!tmp) {
+            err = ENOMEM;
+            snprintf(msg, sizeof(msg), "write %s: out of memory", path);
+            goto drain;
+        }
+        sprintf(tmp, "%.*s.%s.shoal-XXXXXX", (int)dlen, path, base);
+        fd = mkostemp(tmp, O_CLOEXEC);
+        if (fd < 0) {
+            err = errno;
+            snprintf(msg, sizeof(msg), "open %s: %s", path, strerror(err));
+            free(tmp);
+            tmp = NULL;
+            goto drain;
+        }
+    }
+drain:
+    for (;;) {
+        char type;
+        unsigned char *p;
+        uint32_t n;
+        if (!read_frame(&type, &p, &n)) {
+            if (tmp)
+                unlink(tmp);
+            _exit(1);
+        }
+        if (type == 'C')
+            break;
+        if (type != 'D') {
+            if (!err) {
+                err = EPROTO;
+                snprintf(msg, sizeof(msg), "write %s: unexpected frame type %d", path, type);
+            }
+            continue;
+        }
+        if (err)
+            continue;
+        while (n > 0) {
+            ssize_t w = write(fd, p, n);
+            if (w < 0) {
+                if (errno == EINTR)
+                    continue;
+                err = errno;
+                snprintf(msg, sizeof(msg), "write %s: %s", path, strerror(err));
+                break;
+            }
+            p += w;
+            n -= (uint32_t)w;
+            total += (uint64_t)w;
+        }
+    }
+    if (!err && created && (fchown(fd, uid, gid) < 0 || fchmod(fd, mode & 07777) < 0)) {
+        err = errno;
+        snprintf(msg, sizeof(msg), "chown/chmod %s: %s", path, strerror(err));
+    }
+    if (fd >= 0 && close(fd) < 0 && !err) {
+        err = errno;
+        snprintf(msg, sizeof(msg), "write %s: %s", path, strerror(err));
+    }
+    if (!err && tmp && rename(tmp, path) < 0) {
+        err = errno;
+        snprintf(msg, sizeof(msg), "rename %s: %s", path, strerror(err));
+    }
+    if (err) {
+        if (tmp)
+            unlink(tmp);
+        send_err(err, "%s", msg);
+        return;
+    }
+    unsigned char out[8];
+    put_u64(out, total);
+    send_ok(out, 8);
+}
+
+static int cmp_str(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* Read all names of a directory (sorted, without . and ..); closes nothing. */
+static char **read_names(DIR *d, size_t *count) {
+    size_t cap = 32, n = 0;
+    char **names = malloc(cap * sizeof(char *));
+    struct dirent *e;
+    while (names && (e = readdir(d))) {
+        if (e->d_name[0] == '.' && (!e->d_name[1] || (e->d_name[1] == '.' && !e->d_name[2])))
+            continue;
+        if (n == cap) {
+            cap *= 2;
+            char **nn = realloc(names, cap * sizeof(char *));
+            if (!nn)
+                break;
+            names = nn;
+        }
+        names[n] = strdup(e->d_name);
+        if (names[n])
+            n++;
+    }
+    if (names)
+        qsort(names, n, sizeof(char *), cmp_str);
+    *count = n;
+    return names;
+}
+
+static void free_names(char **names, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        free(names[i]);
+    free(names);
+}
+
+static void list_dir(int dfd, const char *prefix, int recursive) {
+    DIR *d = fdopendir(dfd);
+    if (!d) {
+        close(dfd);
+        return;
+    }
+    size_t n;
+    char **names = read_names(d, &n);
+    for (size_t i = 0; names && i < n; i++) {
+        struct stat st;
+        if (fstatat(dfd, names[i], &st, AT_SYMLINK_NOFOLLOW) < 0)
+            continue;
+        char *rel = names[i];
+        char *owned = NULL;
+        if (*prefix) {
+            owned = malloc(strlen(prefix) + strlen(names[i]) + 2);
+            if (!owned)
+                continue;
+            sprintf(owned, "%s/%s", prefix, names[i]);
+            rel = owned;
+        }
+        char target[PATH_MAX] = "";
+        if (S_ISLNK(st.st_mode)) {
+            ssize_t tl = readlinkat(dfd, names[i], target, sizeof(target) - 1);
+            target[tl > 0 ? tl : 0] = 0;
+        }
+        send_stat(rel, &st, target);
+        if (recursive && S_ISDIR(st.st_mode)) {
+            int sub = openat(dfd, names[i], O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            if (sub >= 0)
+                list_dir(sub, rel, 1);
+        }
+        free(owned);
+    }
+    if (names)
+        free_names(names, n);
+    closedir(d);
+}
+
+static void do_list(const unsigned char *pl, uint32_t plen) {
+    struct cur c = {pl, plen, 0};
+    int recursive = get_u8(&c);
+    const char *path = get_str(&c);
+    if (c.bad) {
+        send_err(EINVAL, "list: malformed request");
+        return;
+    }
+    struct stat st;
+    if (stat(path, &st) < 0) {
+        send_err(errno, "list %s: %s", path, strerror(errno));
+        return;
+    }
+    if (!S_ISDIR(st.st_mode)) {
+        send_err(ENOTDIR, "list %s: %s", path, strerror(ENOTDIR));
+        return;
+    }
+    int dfd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) {
+        send_err(errno, "list %s: %s", path, strerror(errno));
+        return;
+    }
+    list_dir(dfd, "", recursive);
+    send_ok(NULL, 0);
+}
+
+static void do_stat(const unsigned char *pl, uint32_t plen) {
+    struct cur c = {pl, plen, 0};
+    const char *path = get_str(&c);
+    if (c.bad) {
+        send_err(EINVAL, "stat: malformed request");
+        return;
+    }
+    struct stat st;
+    if (lstat(path, &st) < 0) {
+        send_err(errno, "stat %s: %s", path, strerror(errno));
+        return;
+    }
+    char target[PATH_MAX] = "";
+    if (S_ISLNK(st.st_mode)) {
+        ssize_t tl = readlink(path, target, sizeof(target) - 1);
+        target[tl > 0 ? tl : 0] = 0;
+    }
+    send_stat(path, &st, target);
+    send_ok(NULL, 0);
+}
+
+static void do_mkdir(const unsigned char *pl, uint32_t plen) {
+    struct cur c = {pl, plen, 0};
+    uint32_t mode = get_u32(&c), uid = get_u32(&c), gid = get_u32(&c);
+    int parents = get_u8(&c);
+    const char *path = get_str(&c);
+    if (c.bad) {
+        send_err(EINVAL, "mkdir: malformed request");
+        return;
+    }
+    if (parents) {
+        char failed[512];
+        int rc = make_dirs(path, mode & 07777, uid, gid, 1, failed, sizeof(failed));
+        if (rc) {
+            send_err(-rc, "mkdir %s: %s", failed, strerror(-rc));
+            return;
+        }
+    } else {
+        if (mkdir(path, 0700) < 0 || chown(path, uid, gid) < 0 || chmod(path, mode & 07777) < 0) {
+            send_err(errno, "mkdir %s: %s", path, strerror(errno));
+            return;
+        }
+    }
+    send_ok(NULL, 0);
+}
+
+/* Remove directory `name` under dfd and everything in it; never follows
+ * symlinks.  Returns 0 or -errno (first failure). */
+static int remove_tree(int dfd, const char *name, char *failed, size_t failed_len) {
+    int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+        snprintf(failed, failed_len, "%s", name);
+        return -errno;
+    }
+    DIR *d = fdopendir(fd);
+    if (!d) {
+        close(fd);
+        return -errno;
+    }
+    size_t n;
+    char **names = read_names(d, &n);
+    int rc = names ? 0 : -ENOMEM;
+    for (size_t i = 0; names && i < n && rc == 0; i++) {
+        struct stat st;
+        if (fstatat(fd, names[i], &st, AT_SYMLINK_NOFOLLOW) < 0) {
+            if (errno != ENOENT)
+                rc = -errno;
+        } else if (S_ISDIR(st.st_mode)) {
+            rc = remove_tree(fd, names[i], failed, failed_len);
+        } else if (unlinkat(fd, names[i], 0) < 0 && errno != ENOENT) {
+            rc = -errno;
+        }
+        if (rc && !*failed)
+            snprintf(failed, failed_len, "%s", names[i]);
+    }
+    if (names)
+        free_names(names, n);
+    closedir(d);
+    if (rc == 0 && unlinkat(dfd, name, AT_REMOVEDIR) < 0) {
+        rc = -errno;
+        snprintf(failed, failed_len, "%s", name);
+    }
+    return rc;
+}
+
+static void do_remove(const unsigned char *pl, uint32_t plen) {
+    struct cur c = {pl, plen, 0};
+    int recursive = get_u8(&c);
+    const char *path = get_str(&c);
+    if (c.bad) {
+        send_err(EINVAL, "remove: malformed request");
+        return;
+    }
+    struct stat st;
+    if (lstat(path, &st) < 0) {
+        send_err(errno, "remove %s: %s", path, strerror(errno));
+        return;
+    }
+    if (S_ISDIR(st.st_mode)) {
+        if (recursive) {
+            char failed[512] = "";
+            int rc = remove_tree(AT_FDCWD, path, failed, sizeof(failed));
+            if (rc) {
+                send_err(-rc, "remove %s: %s (at %s)", path, strerror(-rc), failed);
+                return;
+            }
+        } else if (rmdir(path) < 0) {
+            send_err(errno, "remove %s: %s", path, strerror(errno));
+            return;
+        }
+    } else if (unlink(path) < 0) {
+        send_err(errno, "remove %s: %s", path, strerror(errno));
+        return;
+    }
+    send_ok(NULL, 0);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Main                                                                      */
+
+static void handle(int fd) {
+    conn = fd;
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    char type;
+    unsigned char *p;
+    uint32_t n;
+    if (!read_frame(&type, &p, &n))
+        return;
+    /* Keep the request payload: later frames may overwrite the input buffer. */
+    unsigned char *req = malloc((size_t)n + 1);
+    if (!req)
+        return;
+    memcpy(req, p, n);
+    req[n] = 0;
+    switch (type) {
+    case 'H': {
+        unsigned char out[4 + sizeof(AGENT_VERSION)];
+        put_u32(out, (uint32_t)agent_pid);
+        memcpy(out + 4, AGENT_VERSION, sizeof(AGENT_VERSION) - 1);
+        send_ok(out, 4 + sizeof(AGENT_VERSION) - 1);
+        break;
+    }
+    case 'E':
+        do_exec(req, n);
+        break;
+    case 'G':
+        do_read(req, n);
+        break;
+    case 'W':
+        do_write(req, n);
+        break;
+    case 'L':
+        do_list(req, n);
+        break;
+    case 'S':
+        do_stat(req, n);
+        break;
+    case 'M':
+        do_mkdir(req, n);
+        break;
+    case 'U':
+        do_remove(req, n);
+        break;
+    default:
+        send_err(EINVAL, "unknown request type 0x%02x", (unsigned char)type);
+    }
+}
+
+static void main_sigchld(int s) {
+    (void)s;
+    int saved = errno;
+    while (waitpid(-1, NULL, WNOHANG) > 0) {
+    }
+    errno = saved;
+}
+
+static void main_sigterm(int s) {
+    (void)s;
+    _exit(0);
+}
+
+int main(int argc, char **argv) {
+    int lfd = 3;
+    if (argc == 3 && strcmp(argv[1], "--fd") == 0) {
+        lfd = atoi(argv[2]);
+    } else if (argc == 2 && strcmp(argv[1], "--version") == 0) {
+        puts(AGENT_VERSION);
+        return 0;
+    } else if (argc != 1) {
+        fprintf(stderr, "usage: shoal-agent [--fd N]\n");
+        return 2;
+    }
+    /* Make sure fds 0-2 exist so pipes never land there. */
+    for (int fd = 0; fd < 3; fd++) {
+        if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
+            return 1;
+    }
+    int fl = fcntl(lfd, F_GETFL);
+    if (lfd < 3 || fl < 0 || fcntl(lfd, F_SETFD, FD_CLOEXEC) < 0) {
+        fprintf(stderr, "shoal-agent: fd %d is not a usable listening socket\n", lfd);
+        return 1;
+    }
+    fcntl(lfd, F_SETFL, fl & ~O_NONBLOCK);
+
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = SIG_IGN;
+    sigaction(SIGPIPE, &sa, NULL);
+    sa.sa_handler = main_sigchld;
+    sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+    sigaction(SIGCHLD, &sa, NULL);
+    sa.sa_handler = main_sigterm;
+    sa.sa_flags = 0;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    agent_pid = getpid();
+
+    for (;;) {
+        int c = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+        if (c < 0) {
+            if (errno == EINTR || errno == ECONNABORTED)
+                continue;
+            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+                usleep(10000);
+                continue;
+            }
+            fprintf(stderr, "shoal-agent: accept: %s\n", strerror(errno));
+            return 1;
+        }
+        pid_t pid = fork();
+        if (pid == 0) {
+            memset(&sa, 0, sizeof(sa));
+            sa.sa_handler = SIG_DFL;
+            sigaction(SIGCHLD, &sa, NULL);
+            sigaction(SIGTERM, &sa, NULL);
+            sigaction(SIGINT, &sa, NULL);
+            close(lfd);
+            handle(c);
+            _exit(0);
+        }
+        if (pid < 0)
+            usleep(1000);
+        close(c);
+    }
+}

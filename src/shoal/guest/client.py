@@ -1,0 +1,351 @@
+"""Asyncio client for the shoal guest agent (``agent.c``).
+
+Every operation opens its own connection to the agent's Unix socket.  Frames are
+``u32 length (type byte + payload) | u8 type | payload``, all integers big-endian.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno as _errno
+import os
+import struct
+from dataclasses import dataclass
+
+__all__ = ["AgentClient", "AgentError", "ExecProcess", "ExitInfo", "FileEntry"]
+
+MAX_FRAME = 16 << 20
+_CHUNK = 1 << 20
+_HDR = struct.Struct(">IB")
+_STAT = struct.Struct(">BIIIQq")
+_EXIT = struct.Struct(">iiQQ")
+_U32 = struct.Struct(">I")
+_KINDS = {ord("f"): "file", ord("d"): "dir", ord("l"): "symlink"}
+_ERRNO_CLASSES: dict[int, type[OSError]] = {
+    _errno.ENOENT: FileNotFoundError,
+    _errno.EISDIR: IsADirectoryError,
+    _errno.ENOTDIR: NotADirectoryError,
+    _errno.EACCES: PermissionError,
+    _errno.EPERM: PermissionError,
+    _errno.EEXIST: FileExistsError,
+}
+
+EXEC_STDIN_PIPE = 1
+EXEC_MERGE_STDERR = 2
+WRITE_MKDIRS = 1
+WRITE_APPEND = 2
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    """How a command ended; ``exit_code`` is 128+signal if it was killed."""
+
+    exit_code: int
+    signal: int
+    stdout_dropped: int
+    stderr_dropped: int
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One stat record; ``kind`` is "file", "dir", "symlink" or "other"."""
+
+    name: str
+    kind: str
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    mtime: float
+    target: str
+
+
+class AgentError(OSError):
+    """An error reported by the agent (errno + the agent's message)."""
+
+    @classmethod
+    def from_frame(cls, payload: bytes) -> OSError:
+        """Build the exception for a 'Z' payload, mapping common errnos to builtin subclasses."""
+        code = _U32.unpack_from(payload)[0] if len(payload) >= 4 else _errno.EIO
+        message = payload[4:].decode("utf-8", "replace")
+        return _ERRNO_CLASSES.get(code, cls)(code, message)
+
+
+def _frame(kind: bytes, payload: bytes = b"") -> bytes:
+    return _HDR.pack(len(payload) + 1, kind[0]) + payload
+
+
+def _cstr(value: str) -> bytes:
+    data = os.fsencode(value)
+    if b"\0" in data:
+        raise ValueError(f"NUL byte in {value!r}")
+    return data + b"\0"
+
+
+def _parse_stat(payload: bytes) -> FileEntry:
+    kind, mode, uid, gid, size, mtime_ns = _STAT.unpack_from(payload)
+    name, target = payload[_STAT.size :].split(b"\0")[:2]
+    return FileEntry(
+        name=os.fsdecode(name),
+        kind=_KINDS.get(kind, "other"),
+        mode=mode,
+        uid=uid,
+        gid=gid,
+        size=size,
+        mtime=mtime_ns / 1e9,
+        target=os.fsdecode(target),
+    )
+
+
+class _Conn:
+    """One connection to the agent."""
+
+    __slots__ = ("path", "reader", "writer")
+
+    def __init__(self, path: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.path = path
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def open(cls, path: str) -> _Conn:
+        try:
+            reader, writer = await asyncio.open_unix_connection(path, limit=MAX_FRAME)
+        except (FileNotFoundError, ConnectionError) as exc:
+            raise ConnectionError(f"cannot connect to shoal agent at {path}: {exc}") from exc
+        return cls(path, reader, writer)
+
+    async def send(self, data: bytes | memoryview) -> None:
+        self.writer.write(data)
+        try:
+            await self.writer.drain()
+        except ConnectionError as exc:
+            raise ConnectionError(f"shoal agent at {self.path} dropped the connection") from exc
+
+    async def recv(self) -> tuple[int, bytes]:
+        try:
+            length, kind = _HDR.unpack(await self.reader.readexactly(5))
+            if length == 0 or length > MAX_FRAME:
+                raise AgentError(_errno.EPROTO, f"bad frame length {length} from agent")
+            payload = await self.reader.readexactly(length - 1) if length > 1 else b""
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            raise ConnectionError(
+                f"shoal agent at {self.path} closed the connection unexpectedly"
+            ) from exc
+        return kind, payload
+
+    async def expect(self, *kinds: bytes) -> tuple[int, bytes]:
+        """Receive a frame of one of ``kinds``; raise the agent's error for 'Z'."""
+        kind, payload = await self.recv()
+        if kind == ord("Z"):
+            raise AgentError.from_frame(payload)
+        if kind not in {k[0] for k in kinds}:
+            raise AgentError(_errno.EPROTO, f"unexpected frame {chr(kind)!r} from agent")
+        return kind, payload
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await self.writer.wait_closed()
+
+
+class ExecProcess:
+    """A running command: one open connection streaming its output."""
+
+    def __init__(self, conn: _Conn, pid: int) -> None:
+        self._conn = conn
+        self.pid = pid
+        self.exit: ExitInfo | None = None
+        self._closed = False
+
+    async def next_output(self) -> tuple[str, bytes] | None:
+        """Next ("stdout"|"stderr", chunk), or None once the command has exited."""
+        if self.exit is not None:
+            return None
+        kind, payload = await self._conn.expect(b"O", b"R", b"X")
+        if kind == ord("O"):
+            return "stdout", payload
+        if kind == ord("R"):
+            return "stderr", payload
+        self.exit = ExitInfo(*_EXIT.unpack_from(payload))
+        await self.close()
+        return None
+
+    async def collect(self) -> tuple[bytes, bytes, ExitInfo]:
+        """Read all remaining output; return (stdout, stderr, exit info)."""
+        out: list[bytes] = []
+        err: list[bytes] = []
+        while (item := await self.next_output()) is not None:
+            (out if item[0] == "stdout" else err).append(item[1])
+        assert self.exit is not None
+        return b"".join(out), b"".join(err), self.exit
+
+    async def write_stdin(self, data: bytes) -> None:
+        """Feed bytes to the command's stdin (requires ``stdin_pipe=True``)."""
+        if self.exit is not None or self._closed:
+            raise BrokenPipeError("process has exited")
+        view = memoryview(data)
+        for off in range(0, len(view), _CHUNK):
+            await self._conn.send(_frame(b"I", bytes(view[off : off + _CHUNK])))
+
+    async def close_stdin(self) -> None:
+        """Close the command's stdin."""
+        if self.exit is None and not self._closed:
+            await self._conn.send(_frame(b"C"))
+
+    async def kill(self, sig: int = 9) -> None:
+        """Send ``sig`` to the command's whole process tree; no-op after exit."""
+        if self.exit is not None or self._closed:
+            return
+        with contextlib.suppress(ConnectionError):
+            await self._conn.send(_frame(b"K", _U32.pack(sig)))
+
+    async def close(self) -> None:
+        """Close the connection; the agent kills the tree if it is still running."""
+        if not self._closed:
+            self._closed = True
+            await self._conn.close()
+
+    async def __aenter__(self) -> ExecProcess:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AgentClient:
+    """Client for one agent socket."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+
+    async def _request(self, kind: bytes, payload: bytes) -> _Conn:
+        conn = await _Conn.open(self.socket_path)
+        try:
+            await conn.send(_frame(kind, payload))
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
+
+    async def _simple(self, kind: bytes, payload: bytes) -> bytes:
+        conn = await self._request(kind, payload)
+        try:
+            return (await conn.expect(b"A"))[1]
+        finally:
+            await conn.close()
+
+    async def hello(self) -> tuple[int, str]:
+        """Return (agent pid, agent version)."""
+        payload = await self._simple(b"H", b"")
+        return _U32.unpack_from(payload)[0], payload[4:].decode()
+
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str = "/",
+        uid: int = 0,
+        gid: int = 0,
+        cap_bytes: int = 1 << 20,
+        stdin_pipe: bool = False,
+        merge_stderr: bool = False,
+    ) -> ExecProcess:
+        """Start ``argv``; the caller must read output until None and close the process."""
+        if not argv:
+            raise ValueError("argv must not be empty")
+        if not 0 <= cap_bytes < 1 << 32:
+            raise ValueError("cap_bytes must fit in 32 bits (0 = unlimited)")
+        flags = (EXEC_STDIN_PIPE if stdin_pipe else 0) | (EXEC_MERGE_STDERR if merge_stderr else 0)
+        parts = [struct.pack(">IIII", cap_bytes, uid, gid, flags), _cstr(cwd), _U32.pack(len(argv))]
+        parts += [_cstr(a) for a in argv]
+        parts.append(_U32.pack(len(env)))
+        for key, value in env.items():
+            if "=" in key or not key:
+                raise ValueError(f"invalid environment variable name {key!r}")
+            parts.append(_cstr(f"{key}={value}"))
+        conn = await self._request(b"E", b"".join(parts))
+        try:
+            _, payload = await conn.expect(b"P")
+        except BaseException:
+            await conn.close()
+            raise
+        return ExecProcess(conn, _U32.unpack(payload)[0])
+
+    async def read_file(self, path: str, max_bytes: int = 64 << 20) -> bytes:
+        """Return the contents of ``path``; errors if it is larger than ``max_bytes``."""
+        conn = await self._request(b"G", struct.pack(">Q", max_bytes) + _cstr(path))
+        try:
+            await conn.expect(b"N")
+            chunks: list[bytes] = []
+            while True:
+                kind, payload = await conn.expect(b"D", b"A")
+                if kind == ord("A"):
+                    return b"".join(chunks)
+                chunks.append(payload)
+        finally:
+            await conn.close()
+
+    async def write_file(
+        self,
+        path: str,
+        data: bytes,
+        *,
+        mode: int = 0o644,
+        uid: int = 0,
+        gid: int = 0,
+        mkdirs: bool = True,
+        append: bool = False,
+    ) -> int:
+        """Write ``data`` to ``path`` (atomically unless appending); return bytes written."""
+        flags = (WRITE_MKDIRS if mkdirs else 0) | (WRITE_APPEND if append else 0)
+        conn = await self._request(b"W", struct.pack(">IIII", mode, uid, gid, flags) + _cstr(path))
+        try:
+            view = memoryview(bytes(data))
+            for off in range(0, len(view), _CHUNK):
+                chunk = view[off : off + _CHUNK]
+                conn.writer.write(_HDR.pack(len(chunk) + 1, ord("D")))
+                await conn.send(chunk)
+            await conn.send(_frame(b"C"))
+            _, payload = await conn.expect(b"A")
+            return struct.unpack(">Q", payload)[0]
+        finally:
+            await conn.close()
+
+    async def list_dir(self, path: str, recursive: bool = False) -> list[FileEntry]:
+        """List ``path``; recursive names are relative to it and symlinks are not followed."""
+        conn = await self._request(b"L", bytes([1 if recursive else 0]) + _cstr(path))
+        try:
+            entries: list[FileEntry] = []
+            while True:
+                kind, payload = await conn.expect(b"N", b"A")
+                if kind == ord("A"):
+                    return entries
+                entries.append(_parse_stat(payload))
+        finally:
+            await conn.close()
+
+    async def stat(self, path: str) -> FileEntry | None:
+        """lstat ``path``; None if it does not exist."""
+        conn = await self._request(b"S", _cstr(path))
+        try:
+            _, payload = await conn.expect(b"N")
+            await conn.expect(b"A")
+            return _parse_stat(payload)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        finally:
+            await conn.close()
+
+    async def mkdir(
+        self, path: str, *, mode: int = 0o755, uid: int = 0, gid: int = 0, parents: bool = True
+    ) -> None:
+        """Create a directory (and missing parents if ``parents``)."""
+        payload = struct.pack(">IIIB", mode, uid, gid, 1 if parents else 0) + _cstr(path)
+        await self._simple(b"M", payload)
+
+    async def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Remove a file, symlink or directory (``recursive`` for non-empty ones)."""
+        await self._simple(b"U", bytes([1 if recursive else 0]) + _cstr(path))

@@ -1,0 +1,85 @@
+"""Builders of the images shoal ships: `busybox` (tiny, instant) and `debian` (minbase via mmdebstrap)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from shoal.errors import ImageError
+from shoal.images.store import ImageConfig, ImageStore
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEBIAN_SUITE = os.environ.get("SHOAL_DEBIAN_SUITE", "bookworm")
+DEBIAN_PACKAGES = ["bash", "coreutils", "python3", "ca-certificates", "procps"]
+
+_SKELETON_DIRS = ["proc", "sys", "dev", "tmp", "etc", "root", "work", "run", "var/tmp", ".shoal"]
+_PASSWD = "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
+_GROUP = "root:x:0:\nnogroup:x:65534:\n"
+
+
+def build_busybox(rootfs: Path) -> ImageConfig:
+    """A root filesystem of the host's static busybox and its applet links (≈2 MB, milliseconds)."""
+    source = shutil.which("busybox")
+    if source is None:
+        raise ImageError("busybox is not installed: `apt-get install busybox-static`")
+    probe = subprocess.run(["file", "-L", source], capture_output=True, text=True)
+    if probe.returncode == 0 and "dynamically linked" in probe.stdout:
+        raise ImageError(f"{source} is dynamically linked: `apt-get install busybox-static`")
+    (rootfs / "bin").mkdir(parents=True)
+    shutil.copy2(source, rootfs / "bin" / "busybox")
+    applets = subprocess.run([source, "--list"], capture_output=True, text=True, check=True).stdout
+    for applet in applets.split():
+        if applet != "busybox":
+            (rootfs / "bin" / applet).symlink_to("busybox")
+    for sub in _SKELETON_DIRS:
+        (rootfs / sub).mkdir(parents=True, exist_ok=True)
+    (rootfs / "tmp").chmod(0o1777)
+    (rootfs / "etc" / "passwd").write_text(_PASSWD)
+    (rootfs / "etc" / "group").write_text(_GROUP)
+    return ImageConfig(env={"PATH": DEFAULT_PATH, "HOME": "/root"}, shell=["/bin/sh"])
+
+
+def build_debian(rootfs: Path) -> ImageConfig:
+    """Debian minbase with bash, coreutils and python3, from the host's apt sources."""
+    if shutil.which("mmdebstrap") is None:
+        raise ImageError("mmdebstrap is not installed: `apt-get install mmdebstrap`")
+    sources = _host_apt_sources()
+    cmd = [
+        "mmdebstrap",
+        "--variant=minbase",
+        "--quiet",
+        f"--include={','.join(DEBIAN_PACKAGES)}",
+        "--dpkgopt=path-exclude=/usr/share/doc/*",
+        "--dpkgopt=path-exclude=/usr/share/man/*",
+        "--dpkgopt=path-exclude=/usr/share/locale/*",
+        DEBIAN_SUITE,
+        str(rootfs),
+        *sources,
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise ImageError(
+            f"mmdebstrap failed (exit {result.returncode}); check network access to Debian's "
+            f"package mirror and the host's apt sources.\n{result.stderr[-2000:]}"
+        )
+    for sub in ["work", ".shoal"]:
+        (rootfs / sub).mkdir(exist_ok=True)
+    return ImageConfig(env={"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}, shell=["/bin/bash"])
+
+
+def _host_apt_sources() -> list[str]:
+    """The host's apt source files (mmdebstrap reads .list and .sources files given as mirrors)."""
+    found = sorted(str(p) for p in Path("/etc/apt/sources.list.d").glob("*.sources"))
+    found += sorted(str(p) for p in Path("/etc/apt/sources.list.d").glob("*.list"))
+    main = Path("/etc/apt/sources.list")
+    if main.exists() and any(line.startswith("deb") for line in main.read_text().splitlines()):
+        found.insert(0, str(main))
+    return found
+
+
+def register_builtins(store: ImageStore) -> ImageStore:
+    store.register_builtin("busybox", build_busybox)
+    store.register_builtin("debian", build_debian)
+    return store

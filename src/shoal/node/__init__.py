@@ -1,0 +1,1 @@
+"""The node agent: one process per machine that owns the sandboxes there."""

@@ -1,0 +1,5 @@
+import sys
+
+from shoal.node.daemon import main
+
+sys.exit(main())

@@ -1,0 +1,141 @@
+"""`shoal node`: one node agent process per machine. It owns every sandbox here and outlives clients."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from shoal import cgroups, linux
+from shoal.config import NodeSettings, Paths
+from shoal.errors import NodeError
+
+log = logging.getLogger("shoal.node")
+
+
+def prepare_mount_namespace(paths: Paths) -> None:
+    """Give the node a mount namespace where the OCI runtime sees a cgroup layout it supports.
+
+    On a hybrid host (cgroup v1 controllers plus an empty cgroup2 at /sys/fs/cgroup/unified) crun refuses
+    to run. The node moves into its own mount namespace and unmounts the cgroup2 there only; the
+    sandboxes directory is made a shared mount first so the rootfs mounts the node makes still appear on
+    the host (where tools, tests and a restarted node can see and clean them).
+    """
+    if cgroups.layout() != "hybrid":
+        return
+    sandboxes = str(paths.sandboxes)
+    paths.sandboxes.mkdir(parents=True, exist_ok=True)
+    if not linux.is_mountpoint(sandboxes):
+        linux.mount(sandboxes, sandboxes, None, linux.MS_BIND)
+    linux.mount("none", sandboxes, None, linux.MS_SHARED)
+    linux.unshare(linux.CLONE_NEWNS)
+    linux.mount("none", "/sys/fs/cgroup/unified", None, linux.MS_PRIVATE)
+    linux.umount("/sys/fs/cgroup/unified")
+
+
+def acquire_lock(paths: Paths) -> int:
+    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise NodeError(f"another shoal node already serves {paths.home} (lock {paths.lock})") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
+async def serve(paths: Paths, settings: NodeSettings, ready_fd: int | None = None) -> None:
+    from shoal.node.server import NodeServer
+    from shoal.node.service import NodeService
+
+    service = NodeService(paths, settings)
+    await service.start()
+    server_impl = NodeServer(service)
+    if paths.socket.exists() or paths.socket.is_symlink():
+        paths.socket.unlink()
+    server = await asyncio.start_unix_server(server_impl.handle, path=str(paths.socket), backlog=4096)
+    os.chmod(paths.socket, 0o600)
+    log.info("node %s serving on %s (pid %d)", settings.node_id, paths.socket, os.getpid())
+    if ready_fd is not None:
+        os.write(ready_fd, b"ready\n")
+        os.close(ready_fd)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        server.close()
+        log.info("node shutting down: closing %d sandboxes", len(service.sandboxes))
+        await service.stop()
+        if paths.socket.exists():
+            paths.socket.unlink()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the node in the foreground until SIGTERM/SIGINT."""
+    if os.geteuid() != 0:
+        print("shoal node must run as root (it mounts filesystems and manages cgroups)", file=sys.stderr)
+        return 2
+    paths = Paths.from_env()
+    settings = NodeSettings.from_env()
+    paths.home.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(
+        level=os.environ.get("SHOAL_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    lock_fd = acquire_lock(paths)
+    prepare_mount_namespace(paths)  # before any thread exists: unshare(CLONE_NEWNS) requires it
+    ready_fd = int(os.environ.pop("SHOAL_READY_FD")) if "SHOAL_READY_FD" in os.environ else None
+    try:
+        asyncio.run(serve(paths, settings, ready_fd))
+    finally:
+        os.close(lock_fd)
+    return 0
+
+
+def spawn_background(paths: Paths, timeout: float = 30.0) -> None:
+    """Start a node for `paths` as a detached process and wait until it serves (or say why not)."""
+    import subprocess
+    import time
+
+    paths.home.mkdir(parents=True, exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    env = dict(os.environ, SHOAL_READY_FD=str(write_fd), SHOAL_HOME=str(paths.home), SHOAL_IMAGES=str(paths.images))
+    with open(paths.log, "ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shoal.node"],
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            env=env,
+            pass_fds=[write_fd],
+            start_new_session=True,
+            cwd="/",
+        )
+    os.close(write_fd)
+    deadline = time.monotonic() + timeout
+    try:
+        with os.fdopen(read_fd, "rb") as ready:
+            line = ready.readline()  # EOF if the node dies before it serves
+        if line.strip() == b"ready":
+            return
+        if proc.poll() is None and time.monotonic() < deadline:
+            return
+    finally:
+        pass
+    tail = _tail(paths.log)
+    raise NodeError(f"the shoal node did not start (exit {proc.poll()}); its log {paths.log} ends:\n{tail}")
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

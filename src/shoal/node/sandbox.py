@@ -1,0 +1,69 @@
+"""The node's record of one sandbox and its state machine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from shoal.guest import AgentClient
+from shoal.images import Image
+from shoal.protocol import SandboxInfo, SandboxSpec
+from shoal.substrates import Instance
+
+
+class State(str, Enum):
+    CREATING = "creating"
+    READY = "ready"
+    PAUSED = "paused"
+    CLOSED = "closed"
+    LOST = "lost"
+
+
+@dataclass
+class Sandbox:
+    id: str
+    spec: SandboxSpec
+    image: Image
+    instance: Instance
+    agent: AgentClient
+    state: State = State.READY
+    created_at: float = field(default_factory=time.time)
+    expires_at: float | None = None
+    uid: int = 0
+    gid: int = 0
+    lost_reason: str = ""
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**self.image.config.env, **self.spec.env}
+
+    @property
+    def workdir(self) -> str:
+        return self.spec.workdir or self.image.config.workdir or "/"
+
+    @property
+    def shell(self) -> list[str]:
+        return list(self.image.config.shell or ["/bin/sh"])
+
+    def bind(self, spec: SandboxSpec, now: float) -> None:
+        """Late binding at claim time: the fields a warm sandbox did not know when it was made."""
+        self.spec = spec
+        self.created_at = now
+        self.expires_at = now + spec.ttl_s if spec.ttl_s else None
+
+    def matches(self, labels: dict[str, str] | None) -> bool:
+        return not labels or all(self.spec.labels.get(k) == v for k, v in labels.items())
+
+    def info(self) -> SandboxInfo:
+        return SandboxInfo(
+            id=self.id,
+            kind=self.spec.kind,
+            image=self.spec.image,
+            state=self.state.value,
+            labels=dict(self.spec.labels),
+            created_at=self.created_at,
+            expires_at=self.expires_at,
+            owner=self.spec.owner,
+            workdir=self.workdir,
+        )

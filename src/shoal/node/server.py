@@ -1,0 +1,114 @@
+"""The node's transport: length-prefixed msgpack requests over a stream socket (Unix here; TCP later).
+
+Each request runs as its own task, so one connection carries many concurrent operations; a request whose
+connection goes away is cancelled (an exec's process tree is then killed by the agent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from shoal import protocol
+from shoal.errors import InvalidRequestError, ShoalError
+from shoal.node.service import NodeService
+from shoal.protocol import ErrorInfo, Request, Response
+
+log = logging.getLogger("shoal.server")
+
+OPS = (
+    "hello create get list kill close_all keepalive exec file_write file_read file_list file_stat "
+    "file_mkdir file_remove shell_open shell_run shell_close pool_set image_build image_list status"
+).split()
+
+
+class _Op:
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.method = method
+        hints = typing.get_type_hints(method)
+        params = inspect.signature(method).parameters
+        self.types = {name: hints.get(name, Any) for name in params if name != "emit"}
+        self.streams = "emit" in params
+
+    def arguments(self, args: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(args) - set(self.types)
+        if unknown:
+            raise InvalidRequestError(f"unknown arguments {sorted(unknown)}")
+        return {k: protocol.convert(v, self.types[k]) for k, v in args.items()}
+
+
+class NodeServer:
+    def __init__(self, service: NodeService) -> None:
+        self.service = service
+        self.ops = {name: _Op(getattr(service, name)) for name in OPS}
+        self.connections = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        tasks: dict[int, asyncio.Task] = {}
+        lock = asyncio.Lock()
+
+        async def send(message: Response) -> None:
+            writer.write(protocol.encode(message))
+            if writer.transport.get_write_buffer_size() > 1 << 20:
+                async with lock:
+                    await writer.drain()
+
+        try:
+            while True:
+                body = await protocol.read_frame(reader)
+                if body is None:
+                    break
+                request = protocol.decode_request(body)
+                if request.op == "cancel":  # the client gave up on an earlier request
+                    victim = tasks.get(int(request.args.get("request_id", -1)))
+                    if victim is not None:
+                        victim.cancel()
+                    continue
+                task = asyncio.create_task(self._serve(request, send))
+                tasks[request.id] = task
+                task.add_done_callback(lambda _t, rid=request.id: tasks.pop(rid, None))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except Exception as exc:
+            log.warning("dropping a connection after a malformed frame: %s", exc)
+        finally:
+            self.connections -= 1
+            pending = list(tasks.values())
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            writer.close()
+
+    async def _serve(self, request: Request, send: Callable[[Response], Any]) -> None:
+        try:
+            op = self.ops.get(request.op)
+            if op is None:
+                raise InvalidRequestError(f"unknown operation {request.op!r}")
+            kwargs = op.arguments(request.args)
+            if op.streams:
+
+                async def emit(event: Any) -> None:
+                    await send(Response(id=request.id, event=event))
+
+                kwargs["emit"] = emit
+            result = await op.method(**kwargs)
+            response = Response(id=request.id, result=result)
+        except asyncio.CancelledError:
+            response = Response(id=request.id, error=ErrorInfo(type="CancelledError", message="cancelled"))
+        except ShoalError as exc:
+            response = Response(id=request.id, error=ErrorInfo(type=type(exc).__name__, message=str(exc)))
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError) as exc:
+            response = Response(id=request.id, error=ErrorInfo(type=type(exc).__name__, message=str(exc)))
+        except Exception as exc:
+            log.exception("operation %s failed", request.op)
+            message = f"{type(exc).__name__}: {exc}"
+            response = Response(id=request.id, error=ErrorInfo(type="ShoalError", message=message))
+        try:
+            await send(response)
+        except (ConnectionError, RuntimeError):
+            pass

@@ -1,0 +1,464 @@
+"""The node's operations, transport-free: what the server exposes, one method per operation."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from shoal import cgroups
+from shoal.config import NodeSettings, Paths
+from shoal.errors import (
+    CapacityError,
+    InvalidRequestError,
+    SandboxClosedError,
+    SandboxLostError,
+    SandboxNotFoundError,
+    UnsupportedKindError,
+)
+from shoal.guest import AgentClient, AgentError
+from shoal.images import ImageStore
+from shoal.images.builtin import register_builtins
+from shoal.node.pools import WarmPools
+from shoal.node.sandbox import Sandbox, State
+from shoal.node.shell import ShellSession
+from shoal.protocol import KINDS, ExecRequest, ExecResult, FileEntry, OutputChunk, SandboxInfo, SandboxSpec
+from shoal.substrates import Substrate
+from shoal.substrates.container import ContainerSubstrate
+
+log = logging.getLogger("shoal.node")
+
+Emit = Callable[[Any], Awaitable[None]]
+MIN_MEMORY_MB = 8
+KILL_GRACE_S = 2.0
+
+
+class NodeService:
+    def __init__(self, paths: Paths, settings: NodeSettings) -> None:
+        self.paths = paths
+        self.settings = settings
+        self.images = register_builtins(ImageStore(paths.images))
+        self.substrates: dict[str, Substrate] = {
+            "container": ContainerSubstrate(paths.sandboxes, paths.runtime_root, settings.cgroup_parent),
+        }
+        self.sandboxes: dict[str, Sandbox] = {}
+        self.shells: dict[str, ShellSession] = {}
+        self.closed: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.pools = WarmPools(self._make, self._destroy)
+        self.started_at = time.time()
+        self._creating = 0
+        self._reaper: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- lifecycle of the node
+
+    async def start(self) -> None:
+        self.paths.sandboxes.mkdir(parents=True, exist_ok=True)
+        await self.reconcile()
+        self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def stop(self) -> None:
+        """Close every sandbox this node owns (a clean shutdown leaves nothing behind)."""
+        if self._reaper:
+            self._reaper.cancel()
+        await self.pools.drain()
+        await asyncio.gather(*(self.kill(i, reason="node shut down") for i in list(self.sandboxes)))
+
+    async def reconcile(self) -> list[str]:
+        """Remove what sandboxes of an earlier node process left: mounts, cgroups, runtime state, files."""
+        removed = []
+        container = self.substrates["container"]
+        for directory in sorted(self.paths.sandboxes.iterdir()) if self.paths.sandboxes.exists() else []:
+            if directory.is_dir() and directory.name not in self.sandboxes:
+                await container.destroy_orphan(directory)
+                removed.append(directory.name)
+        assert isinstance(container, ContainerSubstrate)
+        for name in ("crun", "runc", "runsc"):
+            state_root = self.paths.runtime_root / name
+            if state_root.is_dir() and shutil.which(name):
+                for cid in (p.name for p in state_root.iterdir()):
+                    if cid not in self.sandboxes:
+                        await container.runtime(name).delete(cid)
+        for directory in cgroups.sandbox_dirs(f"/{self.settings.cgroup_parent}"):
+            for child in directory.iterdir():
+                if child.is_dir() and child.name not in self.sandboxes:
+                    await asyncio.to_thread(cgroups.remove, f"/{self.settings.cgroup_parent}/{child.name}")
+        if removed:
+            log.info("reconciled %d sandboxes left by an earlier node: %s", len(removed), removed)
+        return removed
+
+    # ---------------------------------------------------------------- sandboxes
+
+    async def hello(self) -> dict[str, Any]:
+        return {"node_id": self.settings.node_id, "pid": os.getpid(), "kinds": self.kinds()}
+
+    def kinds(self) -> list[str]:
+        return sorted(self.substrates)
+
+    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        self._validate(spec)
+        now = time.time()
+        sandbox = self.pools.take(spec) if spec.pool else None
+        if sandbox is None:
+            if len(self.sandboxes) + self._creating >= self.settings.max_sandboxes:
+                raise CapacityError(
+                    f"node {self.settings.node_id} holds {len(self.sandboxes)} sandboxes, its limit "
+                    f"(SHOAL_MAX_SANDBOXES={self.settings.max_sandboxes}); close some or add nodes"
+                )
+            sandbox = await self._make(spec)
+        try:
+            await self._bind(sandbox, spec, now)
+        except BaseException:
+            await asyncio.shield(self._destroy(sandbox))
+            raise
+        self.sandboxes[sandbox.id] = sandbox
+        return sandbox.info()
+
+    def _validate(self, spec: SandboxSpec) -> None:
+        if spec.kind not in self.substrates:
+            known = "unknown kind" if spec.kind not in KINDS else "not available on this node yet"
+            raise UnsupportedKindError(
+                f"kind {spec.kind!r}: {known}; kinds available here: {', '.join(self.kinds())}"
+            )
+        cores = os.cpu_count() or 1
+        if spec.cpu is not None and not 0 < spec.cpu <= cores:
+            raise InvalidRequestError(f"cpu={spec.cpu} is impossible here: this node has {cores} cores")
+        if spec.memory_mb is not None and spec.memory_mb < MIN_MEMORY_MB:
+            raise InvalidRequestError(f"memory_mb={spec.memory_mb} is below the minimum of {MIN_MEMORY_MB} MB")
+        if spec.memory_mb is not None:
+            total_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+            if spec.memory_mb > total_mb:
+                raise InvalidRequestError(f"memory_mb={spec.memory_mb} exceeds this node's {total_mb} MB")
+        if spec.pids is not None and spec.pids < 2:
+            raise InvalidRequestError(f"pids={spec.pids}: a sandbox needs at least 2 (its agent and one command)")
+        if spec.ttl_s is not None and spec.ttl_s <= 0:
+            raise InvalidRequestError(f"ttl_s={spec.ttl_s} must be positive (or None for no limit)")
+        for path in [spec.workdir or "/", *spec.files]:
+            if not path.startswith("/"):
+                raise InvalidRequestError(f"path {path!r} must be absolute")
+
+    async def _make(self, spec: SandboxSpec) -> Sandbox:
+        """Cold-create a sandbox with no late-bound fields applied."""
+        image = await self._image(spec.image)
+        sandbox_id = f"{self.settings.node_id}-{secrets.token_hex(6)}"
+        substrate = self.substrates[spec.kind]
+        self._creating += 1
+        try:
+            instance = await substrate.create(sandbox_id, spec, image)
+            try:
+                agent = AgentClient(str(instance.agent_socket))
+                await asyncio.wait_for(agent.hello(), 10)
+            except BaseException:
+                await asyncio.shield(substrate.destroy(instance))
+                raise
+        finally:
+            self._creating -= 1
+        return Sandbox(id=sandbox_id, spec=spec, image=image, instance=instance, agent=agent)
+
+    async def _image(self, name: str):  # noqa: ANN202
+        try:
+            return self.images.get(name)
+        except Exception:
+            return await asyncio.to_thread(self.images.ensure, name)
+
+    async def _bind(self, sandbox: Sandbox, spec: SandboxSpec, now: float) -> None:
+        sandbox.bind(spec, now)
+        if spec.user:
+            sandbox.uid, sandbox.gid = await self._resolve_user(sandbox, spec.user)
+        if spec.workdir and spec.workdir != "/":
+            await sandbox.agent.mkdir(spec.workdir, uid=sandbox.uid, gid=sandbox.gid, parents=True)
+        for path, data in spec.files.items():
+            await sandbox.agent.write_file(path, data, uid=sandbox.uid, gid=sandbox.gid)
+
+    async def _resolve_user(self, sandbox: Sandbox, user: str) -> tuple[int, int]:
+        name, _, group = user.partition(":")
+        if name.isdigit() and (not group or group.isdigit()):
+            return int(name), int(group or name)
+        try:
+            passwd = (await sandbox.agent.read_file("/etc/passwd")).decode()
+        except FileNotFoundError:
+            passwd = ""
+        for line in passwd.splitlines():
+            fields = line.split(":")
+            if len(fields) >= 4 and fields[0] == name:
+                return int(fields[2]), int(group) if group.isdigit() else int(fields[3])
+        raise InvalidRequestError(f"user {name!r} does not exist in image {sandbox.spec.image!r}")
+
+    async def _destroy(self, sandbox: Sandbox) -> None:
+        await self.substrates[sandbox.spec.kind].destroy(sandbox.instance)
+
+    def _get(self, sandbox_id: str) -> Sandbox:
+        sandbox = self.sandboxes.get(sandbox_id)
+        if sandbox is None:
+            if sandbox_id in self.closed:
+                raise SandboxClosedError(f"sandbox {sandbox_id} is closed ({self.closed[sandbox_id]})")
+            raise SandboxNotFoundError(f"no sandbox {sandbox_id} on node {self.settings.node_id}")
+        if sandbox.state is State.LOST:
+            raise SandboxLostError(f"sandbox {sandbox_id} is lost: {sandbox.lost_reason}")
+        return sandbox
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        sandbox = self.sandboxes.get(sandbox_id)
+        if sandbox is None:
+            self._get(sandbox_id)  # raises the precise error
+        assert sandbox is not None
+        return sandbox.info()
+
+    async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        return [s.info() for s in self.sandboxes.values() if s.matches(labels)]
+
+    async def kill(self, sandbox_id: str, reason: str = "closed by the client") -> None:
+        sandbox = self.sandboxes.pop(sandbox_id, None)
+        if sandbox is None:
+            if sandbox_id in self.closed:
+                return
+            raise SandboxNotFoundError(f"no sandbox {sandbox_id} on node {self.settings.node_id}")
+        self._remember_closed(sandbox_id, reason)
+        sandbox.state = State.CLOSED
+        for shell in [s for s in self.shells.values() if s.sandbox_id == sandbox_id]:
+            self.shells.pop(shell.id, None)
+            await shell.close()
+        await asyncio.shield(self._destroy(sandbox))
+
+    def _remember_closed(self, sandbox_id: str, reason: str) -> None:
+        self.closed[sandbox_id] = reason
+        while len(self.closed) > 100_000:
+            self.closed.popitem(last=False)
+
+    async def close_all(self, labels: dict[str, str] | None = None) -> int:
+        doomed = [s.id for s in self.sandboxes.values() if s.matches(labels)]
+        await asyncio.gather(*(self.kill(i) for i in doomed))
+        return len(doomed)
+
+    async def keepalive(self, sandbox_id: str, ttl_s: float | None = None) -> SandboxInfo:
+        sandbox = self._get(sandbox_id)
+        ttl = ttl_s or sandbox.spec.ttl_s
+        if ttl:
+            sandbox.expires_at = time.time() + ttl
+        return sandbox.info()
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = time.time()
+            expired = [s.id for s in self.sandboxes.values() if s.expires_at and s.expires_at <= now]
+            for sandbox_id in expired:
+                try:
+                    await self.kill(sandbox_id, reason="its ttl expired")
+                except Exception as exc:  # keep reaping the others
+                    log.warning("reaper: could not close %s: %s", sandbox_id, exc)
+
+    async def _lost(self, sandbox: Sandbox, exc: BaseException) -> SandboxLostError:
+        """The agent stopped answering: mark the sandbox lost, free its resources, say why."""
+        reason = f"its agent stopped answering ({exc.__class__.__name__}: {exc})"
+        if cgroups.oom_kills(sandbox.instance.cgroup_path):
+            reason += "; the kernel's OOM killer fired in it: raise memory_mb"
+        sandbox.state = State.LOST
+        sandbox.lost_reason = reason
+        self.sandboxes.pop(sandbox.id, None)
+        self._remember_closed(sandbox.id, f"lost: {reason}")
+        await asyncio.shield(self._destroy(sandbox))
+        return SandboxLostError(f"sandbox {sandbox.id} is lost: {reason}")
+
+    # ---------------------------------------------------------------- exec
+
+    async def exec(self, req: ExecRequest, emit: Emit | None = None) -> ExecResult:
+        sandbox = self._get(req.sandbox_id)
+        argv = list(req.cmd) if isinstance(req.cmd, list) else [*sandbox.shell, "-c", req.cmd]
+        if not argv:
+            raise InvalidRequestError("empty command")
+        uid, gid = (await self._resolve_user(sandbox, req.user)) if req.user else (sandbox.uid, sandbox.gid)
+        cap = req.output_cap_bytes or sandbox.spec.output_cap_bytes or self.settings.output_cap_bytes
+        ooms = cgroups.oom_kills(sandbox.instance.cgroup_path) if sandbox.spec.memory_mb else 0
+        start = time.monotonic()
+        try:
+            proc = await sandbox.agent.exec(
+                argv,
+                env={**sandbox.env, **req.env},
+                cwd=req.cwd or sandbox.workdir,
+                uid=uid,
+                gid=gid,
+                cap_bytes=cap,
+                stdin_pipe=req.stdin is not None,
+                merge_stderr=req.merge_stderr,
+            )
+        except (ConnectionError, OSError) as exc:
+            if isinstance(exc, AgentError):
+                raise
+            raise await self._lost(sandbox, exc) from exc
+        stdout, stderr = bytearray(), bytearray()
+        timed_out = False
+        pending: asyncio.Future | None = None
+        try:
+            if req.stdin is not None:
+                await proc.write_stdin(req.stdin)
+                await proc.close_stdin()
+            deadline = start + req.timeout if req.timeout else None
+            last_output = start
+            kill_deadline: float | None = None
+            while True:
+                if kill_deadline is not None:
+                    limit: float | None = kill_deadline
+                else:
+                    limits = [t for t in (deadline, req.idle_timeout and last_output + req.idle_timeout) if t]
+                    limit = min(limits) if limits else None
+                if pending is None:
+                    pending = asyncio.ensure_future(proc.next_output())
+                wait = None if limit is None else max(0.0, limit - time.monotonic())
+                done, _ = await asyncio.wait({pending}, timeout=wait)
+                if not done:
+                    if kill_deadline is not None:  # killed, yet no exit frame within the grace period
+                        pending.cancel()
+                        break
+                    timed_out = True
+                    await proc.kill(9)
+                    kill_deadline = time.monotonic() + KILL_GRACE_S
+                    continue
+                item = pending.result()
+                pending = None
+                if item is None:
+                    break
+                stream, data = item
+                last_output = time.monotonic()
+                (stdout if stream == "stdout" else stderr).extend(data)
+                if emit is not None and req.stream:
+                    await emit(OutputChunk(stream=stream, data=data))
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            raise await self._lost(sandbox, exc) from exc
+        finally:
+            if pending is not None:
+                pending.cancel()
+            await proc.close()
+        exit_info = proc.exit
+        oom = bool(sandbox.spec.memory_mb) and cgroups.oom_kills(sandbox.instance.cgroup_path) > ooms
+        return ExecResult(
+            exit_code=exit_info.exit_code if exit_info else 137,
+            stdout=bytes(stdout),
+            stderr=bytes(stderr),
+            duration_s=time.monotonic() - start,
+            timed_out=timed_out,
+            truncated=bool(exit_info and (exit_info.stdout_dropped or exit_info.stderr_dropped)),
+            signal=exit_info.signal if exit_info else 9,
+            oom_killed=oom,
+        )
+
+    # ---------------------------------------------------------------- files
+
+    async def _agent_call(self, sandbox_id: str, op: str, *args: Any, **kwargs: Any) -> Any:
+        sandbox = self._get(sandbox_id)
+        try:
+            return await getattr(sandbox.agent, op)(*args, **kwargs)
+        except AgentError:
+            raise
+        except FileNotFoundError:
+            raise
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            raise await self._lost(sandbox, exc) from exc
+
+    async def file_write(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, append: bool = False) -> int:
+        sandbox = self._get(sandbox_id)
+        return await self._agent_call(
+            sandbox_id, "write_file", _abs(path, sandbox), data, mode=mode, uid=sandbox.uid, gid=sandbox.gid, append=append
+        )
+
+    async def file_read(self, sandbox_id: str, path: str, max_bytes: int = 256 << 20) -> bytes:
+        return await self._agent_call(sandbox_id, "read_file", _abs(path, self._get(sandbox_id)), max_bytes)
+
+    async def file_list(self, sandbox_id: str, path: str, recursive: bool = False) -> list[FileEntry]:
+        entries = await self._agent_call(sandbox_id, "list_dir", _abs(path, self._get(sandbox_id)), recursive)
+        return [_entry(e) for e in entries]
+
+    async def file_stat(self, sandbox_id: str, path: str) -> FileEntry | None:
+        entry = await self._agent_call(sandbox_id, "stat", _abs(path, self._get(sandbox_id)))
+        return None if entry is None else _entry(entry)
+
+    async def file_mkdir(self, sandbox_id: str, path: str) -> None:
+        sandbox = self._get(sandbox_id)
+        await self._agent_call(sandbox_id, "mkdir", _abs(path, sandbox), uid=sandbox.uid, gid=sandbox.gid, parents=True)
+
+    async def file_remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        await self._agent_call(sandbox_id, "remove", _abs(path, self._get(sandbox_id)), recursive=recursive)
+
+    # ---------------------------------------------------------------- shells
+
+    async def shell_open(self, sandbox_id: str) -> str:
+        sandbox = self._get(sandbox_id)
+        argv = ["/bin/sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash --noprofile --norc; else exec sh; fi"]
+        proc = await self._agent_call(
+            sandbox_id,
+            "exec",
+            argv,
+            env=sandbox.env,
+            cwd=sandbox.workdir,
+            uid=sandbox.uid,
+            gid=sandbox.gid,
+            cap_bytes=0,
+            stdin_pipe=True,
+        )
+        shell_id = f"{sandbox_id}/sh-{secrets.token_hex(4)}"
+        cap = sandbox.spec.output_cap_bytes or self.settings.output_cap_bytes
+        self.shells[shell_id] = ShellSession(shell_id, sandbox_id, proc, cap)
+        return shell_id
+
+    async def shell_run(
+        self, shell_id: str, cmd: str, timeout: float | None = None, idle_timeout: float | None = None
+    ) -> ExecResult:
+        shell = self.shells.get(shell_id)
+        if shell is None:
+            raise SandboxNotFoundError(f"no shell {shell_id} (closed, or its sandbox was closed)")
+        self._get(shell.sandbox_id)
+        return await shell.run(cmd, timeout, idle_timeout)
+
+    async def shell_close(self, shell_id: str) -> None:
+        shell = self.shells.pop(shell_id, None)
+        if shell is not None:
+            await shell.close()
+
+    # ---------------------------------------------------------------- pools, images, status
+
+    async def pool_set(self, spec: SandboxSpec, size: int, wait: bool = False) -> dict[str, Any]:
+        self._validate(spec)
+        await self._image(spec.image)
+        await self.pools.configure(spec, size)
+        if wait:
+            await self.pools.wait_full(spec)
+        return self.pools.stats()
+
+    async def image_build(self, name: str, force: bool = False) -> dict[str, Any]:
+        image = await asyncio.to_thread(self.images.build, name, force=force)
+        return {"name": image.name, "layers": [str(p) for p in image.layers]}
+
+    async def image_list(self) -> list[str]:
+        return self.images.names()
+
+    async def status(self) -> dict[str, Any]:
+        states = collections.Counter(s.state.value for s in self.sandboxes.values())
+        return {
+            "node_id": self.settings.node_id,
+            "pid": os.getpid(),
+            "uptime_s": time.time() - self.started_at,
+            "sandboxes": len(self.sandboxes),
+            "states": dict(states),
+            "creating": self._creating,
+            "pools": self.pools.stats(),
+            "pool_hits": self.pools.hits,
+            "pool_misses": self.pools.misses,
+            "shells": len(self.shells),
+            "home": str(self.paths.home),
+        }
+
+
+def _abs(path: str, sandbox: Sandbox) -> str:
+    return path if path.startswith("/") else str(Path(sandbox.workdir) / path)
+
+
+def _entry(entry: Any) -> FileEntry:
+    return FileEntry(
+        name=entry.name, kind=entry.kind, size=entry.size, mode=entry.mode, mtime=entry.mtime, target=entry.target
+    )

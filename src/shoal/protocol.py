@@ -1,0 +1,155 @@
+"""Wire models shared by the client and the node: serialisable, transport-neutral.
+
+A connection carries length-prefixed msgpack frames. The client sends `Request`s, each with an `id`
+unique on the connection; the node answers each with exactly one `Response` carrying the same id, and
+before it, for streaming operations, any number of `Event`s with that id. Requests on one connection are
+served concurrently.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 256 << 20
+_LEN = struct.Struct(">I")
+
+KINDS = ("function", "container", "microvm", "vm")
+
+
+class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Everything `create` accepts. Fields that only bind at claim time are marked late-bound."""
+
+    kind: str = "container"
+    image: str = "debian"
+    runtime: str = "crun"
+    cpu: float | None = None
+    memory_mb: int | None = None
+    pids: int | None = 1024
+    ttl_s: float | None = None
+    env: dict[str, str] = {}  # late-bound
+    workdir: str | None = None  # late-bound
+    labels: dict[str, str] = {}  # late-bound
+    files: dict[str, bytes] = {}  # late-bound: written before create returns
+    user: str | None = None
+    owner: str | None = None
+    output_cap_bytes: int | None = None
+    pool: bool = True
+
+    def pool_key(self) -> str:
+        """Sandboxes that differ only in late-bound fields share a warm pool."""
+        cpu = "" if self.cpu is None else f"{self.cpu:g}"
+        return f"{self.kind}:{self.image}:{self.runtime}:cpu={cpu}:mem={self.memory_mb}:pids={self.pids}"
+
+
+class SandboxInfo(msgspec.Struct, kw_only=True):
+    id: str
+    kind: str
+    image: str
+    state: str
+    labels: dict[str, str]
+    created_at: float
+    expires_at: float | None = None
+    owner: str | None = None
+    workdir: str = "/"
+
+
+class ExecRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    sandbox_id: str
+    cmd: str | list[str]
+    timeout: float | None = None
+    idle_timeout: float | None = None
+    env: dict[str, str] = {}
+    cwd: str | None = None
+    user: str | None = None
+    stdin: bytes | None = None
+    output_cap_bytes: int | None = None
+    merge_stderr: bool = False
+    stream: bool = False
+
+
+class ExecResult(msgspec.Struct, kw_only=True):
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    duration_s: float
+    timed_out: bool = False
+    truncated: bool = False
+    signal: int = 0
+    oom_killed: bool = False
+
+
+class OutputChunk(msgspec.Struct, kw_only=True):
+    stream: str  # "stdout" | "stderr"
+    data: bytes
+
+
+class FileEntry(msgspec.Struct, kw_only=True):
+    name: str
+    kind: str  # "file" | "dir" | "symlink" | "other"
+    size: int
+    mode: int
+    mtime: float
+    target: str = ""
+
+
+class Request(msgspec.Struct, kw_only=True):
+    id: int
+    op: str
+    args: dict[str, Any] = {}
+
+
+class ErrorInfo(msgspec.Struct, kw_only=True):
+    type: str
+    message: str
+
+
+class Response(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: int
+    result: Any = None
+    error: ErrorInfo | None = None
+    event: Any = None  # set on streaming events; the final frame has event=None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_response_decoder = msgspec.msgpack.Decoder(Response)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    """One frame: 4-byte big-endian length, then msgpack."""
+    body = _encoder.encode(message)
+    return _LEN.pack(len(body)) + body
+
+
+def decode_request(body: bytes) -> Request:
+    return _request_decoder.decode(body)
+
+
+def decode_response(body: bytes) -> Response:
+    return _response_decoder.decode(body)
+
+
+def to_builtins(value: Any) -> Any:
+    return msgspec.to_builtins(value)
+
+
+def convert(value: Any, type_: Any) -> Any:
+    return msgspec.convert(value, type_, strict=False)
+
+
+async def read_frame(reader) -> bytes | None:  # type: ignore[no-untyped-def]
+    """Read one frame body from an asyncio StreamReader; None at a clean end of stream."""
+    try:
+        header = await reader.readexactly(4)
+    except Exception as exc:  # IncompleteReadError at EOF, ConnectionResetError
+        if getattr(exc, "partial", b"") == b"" or isinstance(exc, ConnectionError):
+            return None
+        raise
+    (length,) = _LEN.unpack(header)
+    if length > MAX_FRAME:
+        raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
+    return await reader.readexactly(length)

@@ -1,0 +1,67 @@
+"""Start helper programs without blocking the event loop and without a thread per child.
+
+`posix_spawn` (vfork-fast) starts the child; a pidfd registered with the event loop says when it exited.
+A cancelled wait kills and reaps the child, so a cancelled create leaves no stray runtime process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Sequence
+
+
+async def run(
+    argv: Sequence[str],
+    *,
+    log_path: str = "/dev/null",
+    pass_fd: int | None = None,
+    timeout: float | None = 60.0,
+) -> int:
+    """Run `argv` with stdin from /dev/null, stdout+stderr appended to `log_path`; return its status.
+
+    `pass_fd`, if given, is made fd 3 of the child (the runtime hands it on to the sandbox).
+    """
+    actions: list[tuple] = [
+        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+        (os.POSIX_SPAWN_OPEN, 1, log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
+        (os.POSIX_SPAWN_DUP2, 1, 2),
+    ]
+    spare = None
+    if pass_fd is not None:
+        if pass_fd == 3:  # dup2(3, 3) would not clear close-on-exec
+            spare = pass_fd = os.dup(pass_fd)
+        actions.append((os.POSIX_SPAWN_DUP2, pass_fd, 3))
+    try:
+        pid = os.posix_spawnp(argv[0], list(argv), os.environ, file_actions=actions)
+    finally:
+        if spare is not None:
+            os.close(spare)
+    return await wait(pid, timeout=timeout)
+
+
+async def wait(pid: int, *, timeout: float | None = None) -> int:
+    """Wait for child `pid` to exit and reap it; on cancel or timeout, SIGKILL and reap it."""
+    loop = asyncio.get_running_loop()
+    pidfd = os.pidfd_open(pid)
+    exited = loop.create_future()
+    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    try:
+        await asyncio.wait_for(exited, timeout)
+    except BaseException:
+        _kill_and_reap(pid)
+        raise
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _kill_and_reap(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass

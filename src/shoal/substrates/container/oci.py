@@ -1,0 +1,128 @@
+"""The OCI runtime spec (config.json) for one sandbox: the same bundle serves crun, runc and runsc."""
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+from shoal.substrates.container.seccomp import seccomp_profile
+
+# The capabilities a sandbox keeps: enough for package managers and servers, nothing that reaches the
+# host (no SYS_ADMIN, NET_ADMIN, SYS_PTRACE, SYS_MODULE, MKNOD, NET_RAW ...).
+CAPABILITIES = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_SETFCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_AUDIT_WRITE",
+]
+
+MASKED_PATHS = [
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/kpagecgroup",
+    "/proc/kpagecount",
+    "/proc/kpageflags",
+    "/proc/latency_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/sys/firmware",
+    "/sys/kernel/debug",
+    "/sys/devices/virtual/powercap",
+]
+
+READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+
+AGENT_PATH = "/.shoal/agent"
+CPU_PERIOD_US = 100_000
+
+
+def bundle_config(
+    *,
+    hostname: str,
+    agent_binary: str,
+    cgroup_path: str,
+    cpu: float | None,
+    memory_mb: int | None,
+    pids: int | None,
+    resolv_conf: str | None = None,
+) -> dict[str, Any]:
+    """config.json for a sandbox whose PID 1 is the shoal agent listening on inherited fd 3."""
+    caps = list(CAPABILITIES)
+    nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    resources: dict[str, Any] = {"devices": [{"allow": False, "access": "rwm"}]}
+    if memory_mb is not None:
+        limit = memory_mb << 20
+        resources["memory"] = {"limit": limit, "swap": limit}
+    if pids is not None:
+        resources["pids"] = {"limit": pids}
+    if cpu is not None:
+        resources["cpu"] = {"quota": int(cpu * CPU_PERIOD_US), "period": CPU_PERIOD_US}
+    mounts: list[dict[str, Any]] = [
+        {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+        {
+            "destination": "/dev",
+            "type": "tmpfs",
+            "source": "tmpfs",
+            "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+        },
+        {
+            "destination": "/dev/pts",
+            "type": "devpts",
+            "source": "devpts",
+            "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+        },
+        {
+            "destination": "/dev/shm",
+            "type": "tmpfs",
+            "source": "shm",
+            "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+        },
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+        {
+            "destination": AGENT_PATH,
+            "type": "bind",
+            "source": agent_binary,
+            "options": ["bind", "ro", "nosuid", "nodev"],
+        },
+    ]
+    if resolv_conf:
+        mounts.append(
+            {"destination": "/etc/resolv.conf", "type": "bind", "source": resolv_conf, "options": ["bind", "ro"]}
+        )
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": [AGENT_PATH, "--fd", "3"],
+            "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+            "cwd": "/",
+            "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}],
+            "noNewPrivileges": True,
+        },
+        "root": {"path": "rootfs", "readonly": False},
+        "hostname": hostname,
+        "mounts": mounts,
+        "linux": {
+            "cgroupsPath": cgroup_path,
+            "resources": resources,
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
+            "maskedPaths": MASKED_PATHS,
+            "readonlyPaths": READONLY_PATHS,
+            "seccomp": seccomp_profile(),
+        },
+    }

@@ -1,0 +1,61 @@
+"""The OCI runtimes shoal drives: crun (default), runc and gVisor's runsc, on the same bundle."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from shoal import spawn
+from shoal.errors import InvalidRequestError, SandboxLostError
+
+RUNTIMES = ("crun", "runc", "runsc")
+
+
+@dataclass(frozen=True)
+class OciRuntime:
+    """One runtime binary with its own state root (so `list` sees only shoal's containers)."""
+
+    name: str
+    binary: str
+    state_root: Path
+
+    @classmethod
+    def find(cls, name: str, state_root: Path) -> OciRuntime:
+        if name not in RUNTIMES:
+            raise InvalidRequestError(f"unknown runtime {name!r}; choose one of {', '.join(RUNTIMES)}")
+        binary = shutil.which(name)
+        if binary is None:
+            package = {"crun": "crun", "runc": "runc", "runsc": "gVisor (runsc)"}[name]
+            raise InvalidRequestError(f"runtime {name!r} is not installed here: install {package}")
+        return cls(name=name, binary=binary, state_root=state_root / name)
+
+    def _base(self) -> list[str]:
+        return [self.binary, "--root", str(self.state_root)]
+
+    async def run_detached(self, container_id: str, bundle: Path, listen_fd: int, log: Path) -> None:
+        """Create and start the container in the background, handing it `listen_fd` as fd 3."""
+        if self.name == "runsc":
+            argv = [*self._base(), "run", "-detach", "-bundle", str(bundle), container_id]
+        else:
+            argv = [*self._base(), "run", "-d", "--preserve-fds", "1", "--bundle", str(bundle), container_id]
+        status = await spawn.run(argv, log_path=str(log), pass_fd=listen_fd)
+        if status != 0:
+            detail = log.read_text(errors="replace")[-2000:].strip() if log.exists() else ""
+            raise SandboxLostError(f"{self.name} could not start the sandbox (exit {status}): {detail}")
+
+    async def delete(self, container_id: str, log: Path | str = "/dev/null") -> bool:
+        """Kill and delete the container; True if the runtime knew it."""
+        return await spawn.run([*self._base(), "delete", "-f", container_id], log_path=str(log)) == 0
+
+    async def pause(self, container_id: str) -> None:
+        await spawn.run([*self._base(), "pause", container_id])
+
+    async def resume(self, container_id: str) -> None:
+        await spawn.run([*self._base(), "resume", container_id])
+
+    def known_ids(self) -> list[str]:
+        """Containers in this runtime's state root (each is a directory named by its ID)."""
+        if not self.state_root.is_dir():
+            return []
+        return sorted(p.name for p in self.state_root.iterdir() if p.is_dir())

@@ -1,0 +1,123 @@
+"""Containers: overlayfs (shared read-only lowers + private upper) run by an OCI runtime.
+
+Per sandbox, under its state directory:
+    record.json   written first, so a crashed node can find and remove everything below
+    config.json   the OCI bundle config; rootfs/ is the overlay mount point
+    upper/ work/  the sandbox's private writes
+    agent.sock    the agent's listening socket (host side only; the sandbox sees no such file)
+    runtime.log   what the runtime (and the agent) printed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import shutil
+import socket
+from pathlib import Path
+
+from shoal import cgroups, linux
+from shoal.errors import SandboxLostError
+from shoal.guest import agent_binary_path
+from shoal.images import Image
+from shoal.protocol import SandboxSpec
+from shoal.substrates.base import Instance, Substrate
+from shoal.substrates.container.oci import bundle_config
+from shoal.substrates.container.runtime import OciRuntime
+
+
+class ContainerSubstrate(Substrate):
+    kind = "container"
+
+    def __init__(self, sandboxes_dir: Path, runtime_root: Path, cgroup_parent: str = "shoal") -> None:
+        self.sandboxes_dir = sandboxes_dir
+        self.runtime_root = runtime_root
+        self.cgroup_parent = cgroup_parent
+        self.agent_binary = str(agent_binary_path())
+        self._runtimes: dict[str, OciRuntime] = {}
+
+    def runtime(self, name: str) -> OciRuntime:
+        if name not in self._runtimes:
+            self._runtimes[name] = OciRuntime.find(name, self.runtime_root)
+        return self._runtimes[name]
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec, image: Image) -> Instance:
+        runtime = self.runtime(spec.runtime)
+        directory = self.sandboxes_dir / sandbox_id
+        instance = Instance(
+            id=sandbox_id,
+            kind=self.kind,
+            directory=directory,
+            agent_socket=directory / "agent.sock",
+            cgroup_path=f"/{self.cgroup_parent}/{sandbox_id}",
+            extra={"runtime": runtime.name},
+        )
+        directory.mkdir(parents=True)
+        (directory / "record.json").write_text(
+            json.dumps({"id": sandbox_id, "kind": self.kind, "runtime": runtime.name, "cgroup": instance.cgroup_path})
+        )
+        listener: socket.socket | None = None
+        try:
+            self._mount_rootfs(directory, image)
+            config = bundle_config(
+                hostname="sandbox",
+                agent_binary=self.agent_binary,
+                cgroup_path=instance.cgroup_path,
+                cpu=spec.cpu,
+                memory_mb=spec.memory_mb,
+                pids=spec.pids,
+            )
+            (directory / "config.json").write_text(json.dumps(config))
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(str(instance.agent_socket))
+            listener.listen(128)
+            await runtime.run_detached(sandbox_id, directory, listener.fileno(), directory / "runtime.log")
+        except BaseException:
+            await asyncio.shield(self.destroy(instance))
+            raise
+        finally:
+            if listener is not None:
+                listener.close()
+        return instance
+
+    def _mount_rootfs(self, directory: Path, image: Image) -> None:
+        for sub in ("rootfs", "upper", "work"):
+            (directory / sub).mkdir()
+        lowers = ":".join(str(layer) for layer in reversed(image.layers))
+        options = f"lowerdir={lowers},upperdir={directory / 'upper'},workdir={directory / 'work'}"
+        linux.mount("overlay", str(directory / "rootfs"), "overlay", 0, options)
+
+    async def destroy(self, instance: Instance) -> None:
+        runtime = self.runtime(instance.extra.get("runtime", "crun"))
+        await runtime.delete(instance.id)
+        await asyncio.to_thread(_remove_leftovers, instance.directory, instance.cgroup_path)
+
+    async def destroy_orphan(self, directory: Path) -> None:
+        try:
+            record = json.loads((directory / "record.json").read_text())
+        except (OSError, ValueError):
+            record = {"id": directory.name, "runtime": "crun", "cgroup": f"/{self.cgroup_parent}/{directory.name}"}
+        try:
+            await self.runtime(record.get("runtime", "crun")).delete(record["id"])
+        except Exception:  # runtime gone from this host: still remove mounts, cgroups and files
+            pass
+        await asyncio.to_thread(_remove_leftovers, directory, record["cgroup"])
+
+    async def pause(self, instance: Instance) -> None:
+        await self.runtime(instance.extra.get("runtime", "crun")).pause(instance.id)
+
+    async def resume(self, instance: Instance) -> None:
+        await self.runtime(instance.extra.get("runtime", "crun")).resume(instance.id)
+
+
+def _remove_leftovers(directory: Path, cgroup_path: str) -> None:
+    """Kill stragglers, remove the cgroup, unmount the rootfs and delete the state directory."""
+    cgroups.remove(cgroup_path)
+    rootfs = directory / "rootfs"
+    try:
+        linux.umount(str(rootfs))
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOENT):  # not mounted (any more): nothing to do
+            raise SandboxLostError(f"could not unmount {rootfs}: {exc}") from exc
+    shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,500 @@
+"""Tests for the guest agent, run directly on the host (no container)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from shoal.guest import AgentClient, AgentError, ExecProcess, ExitInfo, agent_binary_path
+
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
+
+
+@dataclass
+class Agent:
+    proc: subprocess.Popen[bytes]
+    sock_path: str
+    client: AgentClient
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    binary = agent_binary_path()
+    tmp = tempfile.mkdtemp(prefix="shoal-agent-")
+    sock_path = os.path.join(tmp, "agent.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(sock_path)
+    sock.listen(128)
+    fd = sock.fileno()
+
+    def to_fd3() -> None:
+        os.dup2(fd, 3)
+
+    # The agent's default listening fd is 3.
+    proc = subprocess.Popen([binary], pass_fds=[3], preexec_fn=to_fd3)
+    sock.close()
+    try:
+        yield Agent(proc, sock_path, AgentClient(sock_path))
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def workdir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="shoal-agent-files-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+async def run(client: AgentClient, argv: list[str], **kw: object) -> tuple[bytes, bytes, ExitInfo]:
+    kw.setdefault("env", ENV)
+    proc = await client.exec(argv, **kw)  # type: ignore[arg-type]
+    try:
+        return await proc.collect()
+    finally:
+        await proc.close()
+
+
+def procs_with_arg(arg: str) -> list[int]:
+    """Pids of live processes whose argv contains ``arg``."""
+    found = []
+    needle = arg.encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def zombie_children(pid: int) -> list[int]:
+    zombies = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] == "Z" and int(fields[1]) == pid:
+            zombies.append(int(name))
+    return zombies
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return bool(predicate())
+
+
+def unique_sleep_arg() -> str:
+    return f"1000.{uuid.uuid4().int % 10**9:09d}"
+
+
+# --------------------------------------------------------------------------- basics
+
+
+async def test_hello(agent: Agent) -> None:
+    pid, version = await agent.client.hello()
+    assert pid == agent.proc.pid
+    assert version == "shoal-agent 1"
+
+
+async def test_connection_error_names_socket(workdir: str) -> None:
+    path = os.path.join(workdir, "missing.sock")
+    with pytest.raises(ConnectionError, match="missing.sock"):
+        await AgentClient(path).hello()
+
+
+async def test_exec_exit_code_and_streams(agent: Agent) -> None:
+    out, err, info = await run(agent.client, ["sh", "-c", "echo out; echo err >&2; exit 3"])
+    assert out == b"out\n"
+    assert err == b"err\n"
+    assert info == ExitInfo(exit_code=3, signal=0, stdout_dropped=0, stderr_dropped=0)
+
+
+async def test_exec_reports_pid(agent: Agent) -> None:
+    proc = await agent.client.exec(["sh", "-c", "echo $$"], env=ENV)
+    out, _, info = await proc.collect()
+    assert int(out) == proc.pid
+    assert info.exit_code == 0
+
+
+async def test_exec_killed_by_signal(agent: Agent) -> None:
+    _, _, info = await run(agent.client, ["sh", "-c", "kill -TERM $$"])
+    assert (info.exit_code, info.signal) == (128 + signal.SIGTERM, signal.SIGTERM)
+
+
+async def test_merge_stderr(agent: Agent) -> None:
+    argv = ["sh", "-c", "echo a; echo b >&2; echo c"]
+    out, err, info = await run(agent.client, argv, merge_stderr=True)
+    assert out == b"a\nb\nc\n"
+    assert err == b""
+    assert info.exit_code == 0
+
+
+async def test_env_and_cwd(agent: Agent, workdir: str) -> None:
+    env = {"PATH": "/usr/bin:/bin", "FOO": "bar baz", "EMPTY": ""}
+    out, _, info = await run(
+        agent.client, ["sh", "-c", 'echo "$FOO"; pwd; env'], env=env, cwd=workdir
+    )
+    lines = out.decode().splitlines()
+    assert lines[0] == "bar baz"
+    assert lines[1] == workdir
+    names = {line.split("=", 1)[0] for line in lines[2:]}
+    # Only the given variables (plus what sh itself adds) are visible.
+    assert {"FOO", "EMPTY", "PATH"} <= names
+    assert not names & {"PYTEST_CURRENT_TEST", "HOME", "VIRTUAL_ENV"}
+    assert info.exit_code == 0
+
+
+async def test_path_lookup_uses_given_env(agent: Agent, workdir: str) -> None:
+    script = os.path.join(workdir, "shoal-test-cmd")
+    with open(script, "w") as f:
+        f.write('#!/bin/sh\necho custom "$@"\n')
+    os.chmod(script, 0o755)
+    out, _, info = await run(agent.client, ["shoal-test-cmd", "x"], env={"PATH": workdir})
+    assert (out, info.exit_code) == (b"custom x\n", 0)
+    # A script without a #! line is run by /bin/sh, like execvp does.
+    with open(script, "w") as f:
+        f.write("echo plain\n")
+    out, _, info = await run(agent.client, ["shoal-test-cmd"], env={"PATH": workdir})
+    assert (out, info.exit_code) == (b"plain\n", 0)
+    # Not found through the default PATH when the env has none.
+    _, err, info = await run(agent.client, ["shoal-test-cmd"], env={})
+    assert info.exit_code == 127
+    assert b"shoal-test-cmd" in err
+
+
+async def test_exec_missing_binary(agent: Agent) -> None:
+    out, err, info = await run(agent.client, ["no-such-command-xyz", "arg"])
+    assert info.exit_code == 127
+    assert out == b""
+    assert err == b"shoal: exec no-such-command-xyz: No such file or directory\n"
+
+
+async def test_exec_not_executable_and_bad_cwd(agent: Agent, workdir: str) -> None:
+    path = os.path.join(workdir, "noexec")
+    with open(path, "w") as f:
+        f.write("echo hi\n")
+    os.chmod(path, 0o644)
+    _, err, info = await run(agent.client, [path])
+    assert info.exit_code == 126
+    assert b"Permission denied" in err
+    missing = os.path.join(workdir, "nope")
+    _, err, info = await run(agent.client, ["true"], cwd=missing)
+    assert info.exit_code == 127
+    assert err == f"shoal: chdir {missing}: No such file or directory\n".encode()
+
+
+async def test_exec_as_other_user(agent: Agent) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root")
+    out, _, info = await run(agent.client, ["sh", "-c", "id -u; id -g; id -G"], uid=4321, gid=8765)
+    assert out.split() == [b"4321", b"8765", b"8765"]
+    assert info.exit_code == 0
+
+
+async def test_stdin_pipe_round_trip(agent: Agent) -> None:
+    data = os.urandom(3 << 20)
+    proc = await agent.client.exec(["cat"], env=ENV, stdin_pipe=True, cap_bytes=0)
+    try:
+        await proc.write_stdin(b"hello ")
+        await proc.write_stdin(data)
+        await proc.close_stdin()
+        out, err, info = await proc.collect()
+    finally:
+        await proc.close()
+    assert out == b"hello " + data
+    assert err == b""
+    assert info.exit_code == 0
+
+
+async def test_stdin_is_dev_null_without_pipe(agent: Agent) -> None:
+    out, _, info = await run(agent.client, ["sh", "-c", "cat; echo end"])
+    assert (out, info.exit_code) == (b"end\n", 0)
+
+
+async def test_output_cap(agent: Agent) -> None:
+    total = 5_000_000
+    cap = 1 << 20
+    argv = ["sh", "-c", f"yes | head -c {total}; yes e | head -c {total} >&2"]
+    out, err, info = await run(agent.client, argv, cap_bytes=cap)
+    assert out == b"y\n" * (cap // 2)
+    assert len(err) == cap
+    assert info.stdout_dropped == total - cap
+    assert info.stderr_dropped == total - cap
+    assert info.exit_code == 0
+
+
+# --------------------------------------------------------------------------- process trees
+
+
+async def _start_tree(agent: Agent) -> tuple[ExecProcess, str]:
+    arg = unique_sleep_arg()
+    proc = await agent.client.exec(["sh", "-c", f"setsid sleep {arg} & sleep {arg}"], env=ENV)
+    assert await wait_for(lambda: len(procs_with_arg(arg)) == 2), "sleeps did not start"
+    return proc, arg
+
+
+async def test_kill_tree(agent: Agent) -> None:
+    proc, arg = await _start_tree(agent)
+    try:
+        await proc.kill()
+        _, _, info = await asyncio.wait_for(proc.collect(), 5)
+        assert info.signal == signal.SIGKILL
+        assert info.exit_code == 128 + signal.SIGKILL
+        assert await wait_for(lambda: not procs_with_arg(arg), 2)
+        await proc.kill()  # harmless after exit
+    finally:
+        for pid in procs_with_arg(arg):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def test_kill_tree_with_sigterm(agent: Agent) -> None:
+    proc, arg = await _start_tree(agent)
+    try:
+        await proc.kill(signal.SIGTERM)
+        _, _, info = await asyncio.wait_for(proc.collect(), 5)
+        assert info.signal == signal.SIGTERM
+        assert await wait_for(lambda: not procs_with_arg(arg), 2)
+    finally:
+        for pid in procs_with_arg(arg):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def test_closing_connection_kills_tree(agent: Agent) -> None:
+    proc, arg = await _start_tree(agent)
+    try:
+        await proc.close()
+        assert await wait_for(lambda: not procs_with_arg(arg), 3)
+    finally:
+        for pid in procs_with_arg(arg):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def test_background_job_survives_and_does_not_block(agent: Agent) -> None:
+    arg = f"30.{uuid.uuid4().int % 10**9:09d}"
+    try:
+        start = time.monotonic()
+        out, _, info = await run(agent.client, ["sh", "-c", f"sleep {arg} & echo done"])
+        elapsed = time.monotonic() - start
+        assert out == b"done\n"
+        assert info.exit_code == 0
+        assert elapsed < 1.0
+        await asyncio.sleep(0.1)
+        assert len(procs_with_arg(arg)) == 1, "background job should survive"
+    finally:
+        for pid in procs_with_arg(arg):
+            os.kill(pid, signal.SIGKILL)
+    assert await wait_for(lambda: not zombie_children(agent.proc.pid), 2)
+
+
+async def test_zombies_are_reaped(agent: Agent) -> None:
+    # Background children outlive their handler and get reparented to the agent.
+    procs = [run(agent.client, ["sh", "-c", "sleep 0.2 & sleep 0.1 & true"]) for _ in range(20)] + [
+        run(agent.client, ["true"]) for _ in range(30)
+    ]
+    results = await asyncio.gather(*procs)
+    assert all(info.exit_code == 0 for _, _, info in results)
+    await asyncio.sleep(0.4)
+    assert await wait_for(lambda: not zombie_children(agent.proc.pid), 2)
+
+
+# --------------------------------------------------------------------------- files
+
+
+async def test_write_read_round_trip(agent: Agent, workdir: str) -> None:
+    c = agent.client
+    binary = bytes(range(256)) * 7 + b"\0\n\r"
+    path = os.path.join(workdir, "bin.dat")
+    assert await c.write_file(path, binary) == len(binary)
+    assert await c.read_file(path) == binary
+    with open(path, "rb") as f:
+        assert f.read() == binary
+
+    big = os.urandom(5 << 20)
+    big_path = os.path.join(workdir, "big.dat")
+    assert await c.write_file(big_path, big) == len(big)
+    assert await c.read_file(big_path) == big
+
+    empty = os.path.join(workdir, "empty")
+    assert await c.write_file(empty, b"") == 0
+    assert await c.read_file(empty) == b""
+
+    # Overwrite is atomic and leaves no temp files behind.
+    assert await c.write_file(path, b"new") == 3
+    assert await c.read_file(path) == b"new"
+    assert sorted(os.listdir(workdir)) == ["big.dat", "bin.dat", "empty"]
+
+
+async def test_write_mkdirs_mode_owner_append(agent: Agent, workdir: str) -> None:
+    c = agent.client
+    path = os.path.join(workdir, "a", "b", "c.txt")
+    with pytest.raises(FileNotFoundError):
+        await c.write_file(path, b"x", mkdirs=False)
+    await c.write_file(path, b"one\n", mode=0o600, uid=1234, gid=5678)
+    st = os.stat(path)
+    assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o600, 1234, 5678)
+    parent = os.stat(os.path.dirname(path))
+    assert (parent.st_mode & 0o7777, parent.st_uid, parent.st_gid) == (0o755, 1234, 5678)
+
+    assert await c.write_file(path, b"two\n", append=True) == 4
+    assert await c.read_file(path) == b"one\ntwo\n"
+    assert os.stat(path).st_mode & 0o7777 == 0o600  # appending keeps metadata
+
+    new = os.path.join(workdir, "appended")
+    await c.write_file(new, b"z", append=True, mode=0o640)
+    assert os.stat(new).st_mode & 0o7777 == 0o640
+
+    await c.write_file(os.path.join(workdir, "exe"), b"#!/bin/sh\n", mode=0o755)
+    assert os.stat(os.path.join(workdir, "exe")).st_mode & 0o7777 == 0o755
+
+
+async def test_read_errors(agent: Agent, workdir: str) -> None:
+    c = agent.client
+    missing = os.path.join(workdir, "missing")
+    with pytest.raises(FileNotFoundError, match="missing"):
+        await c.read_file(missing)
+    path = os.path.join(workdir, "f")
+    await c.write_file(path, b"x" * 1000)
+    with pytest.raises(AgentError) as exc_info:
+        await c.read_file(path, max_bytes=999)
+    assert exc_info.value.errno == errno.EFBIG
+    assert "1000" in str(exc_info.value) and "999" in str(exc_info.value)
+    assert await c.read_file(path, max_bytes=1000) == b"x" * 1000
+    with pytest.raises(IsADirectoryError):
+        await c.read_file(workdir)
+
+
+async def test_list_dir(agent: Agent, workdir: str) -> None:
+    c = agent.client
+    outside = tempfile.mkdtemp(prefix="shoal-agent-outside-")
+    try:
+        with open(os.path.join(outside, "hidden.txt"), "w") as f:
+            f.write("nope")
+        root = os.path.join(workdir, "root")
+        await c.write_file(os.path.join(root, "a.txt"), b"aaa")
+        await c.write_file(os.path.join(root, "sub", "b.txt"), b"b")
+        await c.mkdir(os.path.join(root, "sub", "deeper"))
+        os.symlink(outside, os.path.join(root, "link"))
+
+        flat = await c.list_dir(root)
+        assert [e.name for e in flat] == ["a.txt", "link", "sub"]
+        kinds = {e.name: e.kind for e in flat}
+        assert kinds == {"a.txt": "file", "link": "symlink", "sub": "dir"}
+        by_name = {e.name: e for e in flat}
+        assert by_name["a.txt"].size == 3
+        assert by_name["link"].target == outside
+        assert abs(by_name["a.txt"].mtime - os.stat(os.path.join(root, "a.txt")).st_mtime) < 1e-3
+
+        rec = await c.list_dir(root, recursive=True)
+        names = [e.name for e in rec]
+        assert names == ["a.txt", "link", "sub", "sub/b.txt", "sub/deeper"]
+        assert not any("hidden" in n for n in names)
+
+        with pytest.raises(FileNotFoundError):
+            await c.list_dir(os.path.join(workdir, "nope"))
+        with pytest.raises(NotADirectoryError):
+            await c.list_dir(os.path.join(root, "a.txt"))
+    finally:
+        shutil.rmtree(outside)
+
+
+async def test_stat(agent: Agent, workdir: str) -> None:
+    c = agent.client
+    path = os.path.join(workdir, "s.txt")
+    await c.write_file(path, b"12345", mode=0o640)
+    entry = await c.stat(path)
+    assert entry is not None
+    assert (entry.kind, entry.size, entry.mode, entry.target) == ("file", 5, 0o640, "")
+    assert entry.uid == os.getuid()
+    os.symlink("s.txt", os.path.join(workdir, "ln"))
+    link = await c.stat(os.path.join(workdir, "ln"))
+    assert link is not None and (link.kind, link.target) == ("symlink", "s.txt")
+    d = await c.stat(workdir)
+    assert d is not None and d.kind == "dir"
+    assert await c.stat(os.path.join(workdir, "missing")) is None
+    assert await c.stat(os.path.join(path, "below-a-file")) is None
+
+
+async def test_mkdir(agent: Agent, workdir: str) -> None:
+    c = agent.client
+    path = os.path.join(workdir, "x", "y", "z")
+    await c.mkdir(path, mode=0o700, uid=1111, gid=2222)
+    st = os.stat(path)
+    assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o700, 1111, 2222)
+    await c.mkdir(path)  # existing is fine with parents
+    with pytest.raises(FileExistsError):
+        await c.mkdir(path, parents=False)
+    with pytest.raises(FileNotFoundError):
+        await c.mkdir(os.path.join(workdir, "p", "q"), parents=False)
+    await c.mkdir(os.path.join(workdir, "single"), parents=False, mode=0o750)
+    assert os.stat(os.path.join(workdir, "single")).st_mode & 0o7777 == 0o750
+    await c.write_file(os.path.join(workdir, "file"), b"")
+    with pytest.raises(NotADirectoryError):
+        await c.mkdir(os.path.join(workdir, "file", "sub"))
+
+
+async def test_remove(agent: Agent, workdir: str) -> None:
+    c = agent.client
+    outside = tempfile.mkdtemp(prefix="shoal-agent-outside-")
+    try:
+        keep = os.path.join(outside, "keep.txt")
+        with open(keep, "w") as f:
+            f.write("keep")
+        tree = os.path.join(workdir, "tree")
+        for rel in ("a", "d1/b", "d1/d2/c", "d1/d2/d3/d"):
+            await c.write_file(os.path.join(tree, rel), b"data")
+        os.symlink(outside, os.path.join(tree, "d1", "link"))
+        os.symlink("/nonexistent", os.path.join(tree, "dangling"))
+
+        with pytest.raises(AgentError) as exc_info:
+            await c.remove(tree)
+        assert exc_info.value.errno == errno.ENOTEMPTY
+        await c.remove(tree, recursive=True)
+        assert not os.path.lexists(tree)
+        assert os.path.exists(keep), "recursive remove followed a symlink"
+
+        f = os.path.join(workdir, "f")
+        await c.write_file(f, b"x")
+        await c.remove(f)
+        assert not os.path.exists(f)
+        await c.mkdir(os.path.join(workdir, "empty"))
+        await c.remove(os.path.join(workdir, "empty"))
+        with pytest.raises(FileNotFoundError):
+            await c.remove(f)
+    finally:
+        shutil.rmtree(outside)
+
+
+async def test_concurrent_operations(agent: Agent, workdir: str) -> None:
+    c = agent.client
+    blobs = {os.path.join(workdir, f"f{i}"): os.urandom(100_000 + i) for i in range(20)}
+    await asyncio.gather(*(c.write_file(p, d) for p, d in blobs.items()))
+    got = await asyncio.gather(*(c.read_file(p) for p in blobs))
+    assert got == list(blobs.values())
+    outs = await asyncio.gather(*(run(c, ["echo", str(i)]) for i in range(20)))
+    assert [o for o, _, _ in outs] == [f"{i}\n".encode() for i in range(20)]
