@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -42,13 +42,14 @@ def agent() -> Iterator[Agent]:
     def to_fd3() -> None:
         os.dup2(fd, 3)
 
-    # The agent's default listening fd is 3.
-    proc = subprocess.Popen([binary], pass_fds=[3], preexec_fn=to_fd3)
+    # The agent's default listening fd is 3.  Its own session lets teardown kill
+    # the agent together with any handler processes still running.
+    proc = subprocess.Popen([binary], pass_fds=[3], preexec_fn=to_fd3, start_new_session=True)
     sock.close()
     try:
         yield Agent(proc, sock_path, AgentClient(sock_path))
     finally:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -100,7 +101,7 @@ def zombie_children(pid: int) -> list[int]:
     return zombies
 
 
-async def wait_for(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+async def wait_for(predicate: Callable[[], object], timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -372,23 +372,27 @@ static int kill_descendants(int sig) {
     }
     closedir(d);
 
-    /* Mark descendants: in_tree[i] = 1 if i's parent chain reaches us. */
+    /* Mark descendants: in_tree[i] = 1 if i's parent chain reaches us.  The
+     * tree is usually small, so membership is checked against a pid list. */
     char *in_tree = calloc(n ? n : 1, 1);
-    pid_t self = getpid();
+    pid_t *tree = malloc((n + 1) * sizeof(pid_t));
+    size_t nt = 0;
     int killed = 0;
-    if (in_tree) {
+    if (in_tree && tree) {
+        tree[nt++] = getpid();
         int changed = 1;
         while (changed) {
             changed = 0;
             for (size_t i = 0; i < n; i++) {
                 if (in_tree[i])
                     continue;
-                int hit = ppids[i] == self;
-                for (size_t j = 0; !hit && j < n; j++)
-                    hit = in_tree[j] && pids[j] == ppids[i];
-                if (hit) {
-                    in_tree[i] = 1;
-                    changed = 1;
+                for (size_t j = 0; j < nt; j++) {
+                    if (tree[j] == ppids[i]) {
+                        in_tree[i] = 1;
+                        tree[nt++] = pids[i];
+                        changed = 1;
+                        break;
+                    }
                 }
             }
         }
@@ -398,6 +402,7 @@ static int kill_descendants(int sig) {
         }
     }
     free(in_tree);
+    free(tree);
     free(pids);
     free(ppids);
     free(zomb);
@@ -513,6 +518,14 @@ static void exec_search(char **argv, char **envp) {
 static void exec_child(const char *cwd, uint32_t uid, uint32_t gid, int in_rd, int out_wr,
                        int err_wr, char **argv, char **envp) {
     setsid();
+    {
+        /* The node shields the agent from the OOM killer (-1000); commands must not inherit that. */
+        int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+        if (oom >= 0) {
+            if (write(oom, "0", 1) < 0) { /* best effort */ }
+            close(oom);
+        }
+    }
     if (in_rd < 0) {
         in_rd = open("/dev/null", O_RDONLY | O_CLOEXEC);
         if (in_rd < 0)
@@ -730,8 +743,11 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
                 if (type == 'I') {
                     if (in_fd < 0 || close_pending || n == 0)
                         continue;
-                    if (in_off > 0 && in_off == in_len)
-                        in_off = in_len = 0;
+                    if (in_off > 0) { /* compact so the buffer stays bounded */
+                        memmove(inbuf, inbuf + in_off, in_len - in_off);
+                        in_len -= in_off;
+                        in_off = 0;
+                    }
                     unsigned char *nb = realloc(inbuf, in_len + n);
                     if (!nb)
                         conn_lost();
@@ -1301,10 +1317,14 @@ int main(int argc, char **argv) {
     sa.sa_handler = main_sigchld;
     sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
     sigaction(SIGCHLD, &sa, NULL);
-    sa.sa_handler = main_sigterm;
-    sa.sa_flags = 0;
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
+    if (getpid() != 1) {
+        /* As PID 1 the kernel shields us from signals we have no handler for: keep it that way so a
+           sandbox cannot kill its own agent. Outside a PID namespace (tests), exit on SIGTERM/SIGINT. */
+        sa.sa_handler = main_sigterm;
+        sa.sa_flags = 0;
+        sigaction(SIGTERM, &sa, NULL);
+        sigaction(SIGINT, &sa, NULL);
+    }
     prctl(PR_SET_CHILD_SUBREAPER, 1);
     agent_pid = getpid();
 

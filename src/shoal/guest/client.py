@@ -111,7 +111,7 @@ class _Conn:
     @classmethod
     async def open(cls, path: str) -> _Conn:
         try:
-            reader, writer = await asyncio.open_unix_connection(path, limit=MAX_FRAME)
+            reader, writer = await asyncio.open_unix_connection(path, limit=1 << 20)
         except (FileNotFoundError, ConnectionError) as exc:
             raise ConnectionError(f"cannot connect to shoal agent at {path}: {exc}") from exc
         return cls(path, reader, writer)

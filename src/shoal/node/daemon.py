@@ -17,7 +17,7 @@ from shoal.errors import NodeError
 log = logging.getLogger("shoal.node")
 
 
-def prepare_mount_namespace(paths: Paths) -> None:
+def prepare_mount_namespace(paths: Paths) -> int | None:
     """Give the node a mount namespace where the OCI runtime sees a cgroup layout it supports.
 
     On a hybrid host (cgroup v1 controllers plus an empty cgroup2 at /sys/fs/cgroup/unified) crun refuses
@@ -26,15 +26,31 @@ def prepare_mount_namespace(paths: Paths) -> None:
     the host (where tools, tests and a restarted node can see and clean them).
     """
     if cgroups.layout() != "hybrid":
-        return
+        return None
     sandboxes = str(paths.sandboxes)
     paths.sandboxes.mkdir(parents=True, exist_ok=True)
     if not linux.is_mountpoint(sandboxes):
         linux.mount(sandboxes, sandboxes, None, linux.MS_BIND)
     linux.mount("none", sandboxes, None, linux.MS_SHARED)
+    host_ns = os.open("/proc/self/ns/mnt", os.O_RDONLY)
     linux.unshare(linux.CLONE_NEWNS)
     linux.mount("none", "/sys/fs/cgroup/unified", None, linux.MS_PRIVATE)
     linux.umount("/sys/fs/cgroup/unified")
+    return host_ns
+
+
+def release_mount_namespace(paths: Paths, host_ns: int | None) -> None:
+    """On a clean shutdown, remove the shared bind mount of the sandboxes directory from the host."""
+    if host_ns is None:
+        return
+    import subprocess
+
+    subprocess.run(
+        ["nsenter", f"--mount=/proc/self/fd/{host_ns}", "umount", "-l", str(paths.sandboxes)],
+        pass_fds=[host_ns],
+        capture_output=True,
+    )
+    os.close(host_ns)
 
 
 def acquire_lock(paths: Paths) -> int:
@@ -91,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     lock_fd = acquire_lock(paths)
-    prepare_mount_namespace(paths)  # before any thread exists: unshare(CLONE_NEWNS) requires it
+    host_ns = prepare_mount_namespace(paths)  # before any thread exists: unshare requires it
     ready_fd = int(os.environ.pop("SHOAL_READY_FD")) if "SHOAL_READY_FD" in os.environ else None
     try:
         asyncio.run(serve(paths, settings, ready_fd))
+        release_mount_namespace(paths, host_ns)
     finally:
         os.close(lock_fd)
     return 0

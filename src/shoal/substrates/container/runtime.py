@@ -35,10 +35,12 @@ class OciRuntime:
 
     async def run_detached(self, container_id: str, bundle: Path, listen_fd: int, log: Path) -> None:
         """Create and start the container in the background, handing it `listen_fd` as fd 3."""
+        pid_file = str(bundle / "pid")
         if self.name == "runsc":
-            argv = [*self._base(), "run", "-detach", "-bundle", str(bundle), container_id]
+            argv = [*self._base(), "run", "-detach", "-pid-file", pid_file, "-bundle", str(bundle), container_id]
         else:
-            argv = [*self._base(), "run", "-d", "--preserve-fds", "1", "--bundle", str(bundle), container_id]
+            argv = [*self._base(), "run", "-d", "--preserve-fds", "1", "--pid-file", pid_file]
+            argv += ["--bundle", str(bundle), container_id]
         status = await spawn.run(argv, log_path=str(log), pass_fd=listen_fd)
         if status != 0:
             detail = log.read_text(errors="replace")[-2000:].strip() if log.exists() else ""

@@ -73,6 +73,8 @@ class ContainerSubstrate(Substrate):
             listener.bind(str(instance.agent_socket))
             listener.listen(128)
             await runtime.run_detached(sandbox_id, directory, listener.fileno(), directory / "runtime.log")
+            instance.extra["pid"] = pid = int((directory / "pid").read_text())
+            _shield_from_oom_killer(pid)
         except BaseException:
             await asyncio.shield(self.destroy(instance))
             raise
@@ -109,6 +111,15 @@ class ContainerSubstrate(Substrate):
 
     async def resume(self, instance: Instance) -> None:
         await self.runtime(instance.extra.get("runtime", "crun")).resume(instance.id)
+
+
+def _shield_from_oom_killer(pid: int) -> None:
+    """The agent must survive its sandbox's OOM kills (it resets the score for every command it runs)."""
+    try:
+        with open(f"/proc/{pid}/oom_score_adj", "w") as handle:
+            handle.write("-1000")
+    except OSError:
+        pass
 
 
 def _remove_leftovers(directory: Path, cgroup_path: str) -> None:

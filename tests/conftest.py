@@ -1,0 +1,155 @@
+"""Fixtures: a real node (its own state directory and cgroup parent) serving real sandboxes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import shoal
+from shoal.config import Paths
+from shoal.node.daemon import spawn_background
+
+IMAGES = Path(os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/images"))
+
+
+def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dict[str, list[str]]:
+    """Everything sandboxes of the node at `home` could leave behind: mounts, cgroups, processes, dirs.
+
+    A running node keeps one mount of its own (the sandboxes directory, shared so that sandbox mounts
+    reach the host); once it has stopped cleanly that must be gone too.
+    """
+    base = str(home / "sandboxes")
+    mounts = [
+        target
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if (target := line.split()[4]).startswith(base + "/") or (node_stopped and target == base)
+    ]
+    cgroup_dirs = []
+    for hierarchy in Path("/sys/fs/cgroup").iterdir():
+        parent = hierarchy / cgroup_parent
+        if parent.is_dir():
+            cgroup_dirs += [str(p) for p in parent.iterdir() if p.is_dir()]
+    agents = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmdline.startswith(b"/.shoal/agent") and _in_cgroup(proc, cgroup_parent):
+                agents.append(proc.name)
+    dirs = [str(p) for p in (home / "sandboxes").iterdir()] if (home / "sandboxes").is_dir() else []
+    return {"mounts": mounts, "cgroups": cgroup_dirs, "agents": agents, "dirs": dirs}
+
+
+def _in_cgroup(proc: Path, parent: str) -> bool:
+    try:
+        return f"/{parent}/" in (proc / "cgroup").read_text()
+    except OSError:
+        return False
+
+
+def no_leftovers(
+    home: Path, cgroup_parent: str, timeout: float = 10.0, node_stopped: bool = False
+) -> dict[str, list[str]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = {k: v for k, v in leftovers(home, cgroup_parent, node_stopped).items() if v}
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+class NodeProcess:
+    """A node started for tests, with its own home and cgroup parent."""
+
+    def __init__(self, home: Path, cgroup_parent: str, **env: str) -> None:
+        self.home = home
+        self.cgroup_parent = cgroup_parent
+        self.env = env
+        self.paths = Paths(home=home, images=IMAGES)
+
+    def start(self) -> NodeProcess:
+        saved = dict(os.environ)
+        os.environ.update(SHOAL_CGROUP_PARENT=self.cgroup_parent, SHOAL_IMAGES=str(IMAGES), **self.env)
+        try:
+            spawn_background(self.paths)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        return self
+
+    @property
+    def pid(self) -> int:
+        return int(self.paths.lock.read_text())
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+        try:
+            pid = self.pid
+            os.kill(pid, sig)
+        except (OSError, ValueError):
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            if Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"node {pid} did not stop")
+
+    def client(self) -> shoal.Client:
+        return shoal.Client(home=str(self.home))
+
+    def async_client(self) -> shoal.AsyncClient:
+        return shoal.AsyncClient(home=str(self.home))
+
+
+@pytest.fixture(scope="session")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    home = tmp_path_factory.mktemp("shoal-home")
+    proc = NodeProcess(home, f"shoal-test-{os.getpid()}").start()
+    yield proc
+    proc.stop()
+    found = no_leftovers(proc.home, proc.cgroup_parent, node_stopped=True)
+    assert not found, f"the node left resources behind on shutdown: {found}"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_stale_test_mounts() -> Iterator[None]:
+    yield
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        target = line.split()[4]
+        if target.startswith("/tmp/pytest-of-") and target.endswith("/sandboxes"):
+            os.system(f"umount -l {target}")
+
+
+@pytest.fixture(scope="session")
+def client(node: NodeProcess) -> Iterator[shoal.Client]:
+    with node.client() as c:
+        yield c
+
+
+@pytest.fixture
+async def aclient(node: NodeProcess):  # noqa: ANN201
+    async with node.async_client() as c:
+        yield c
+
+
+@pytest.fixture
+def sb(client: shoal.Client) -> Iterator[shoal.Sandbox]:
+    with client.create("container", image="debian", pool=False) as sandbox:
+        yield sandbox
+
+
+@pytest.fixture
+def tiny(client: shoal.Client) -> Iterator[shoal.Sandbox]:
+    with client.create("container", image="busybox", pool=False) as sandbox:
+        yield sandbox

@@ -1,0 +1,252 @@
+"""The container substrate end to end: real crun containers through a real node."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import shoal
+
+
+def test_exec_basics(sb: shoal.Sandbox) -> None:
+    r = sb.exec("echo hi && echo oops >&2 && exit 3")
+    assert (r.exit_code, r.stdout, r.stderr) == (3, "hi\n", "oops\n")
+    assert not r.timed_out and not r.truncated and r.duration_s > 0
+    argv = sb.exec(["python3", "-c", "import sys; print(sys.argv[1:])", "a b", "c"])
+    assert argv.stdout == "['a b', 'c']\n"
+    assert sb.exec("cat", stdin="piped").stdout == "piped"
+    assert sb.exec("echo $A-$B", env={"A": "1", "B": "2"}).stdout == "1-2\n"
+    assert sb.exec("pwd", cwd="/tmp").stdout == "/tmp\n"
+    missing = sb.exec(["/no/such/binary"])
+    assert missing.exit_code == 127 and "No such file" in missing.stderr
+
+
+def test_create_options_are_honoured(client: shoal.Client) -> None:
+    with client.create(
+        "container", image="debian", env={"A": "1"}, workdir="/work/proj", labels={"run": "opts"}, pool=False
+    ) as sb:
+        assert sb.exec("echo $A; pwd").stdout == "1\n/work/proj\n"
+        assert [i.id for i in client.list(labels={"run": "opts"})] == [sb.id]
+        assert client.get(sb.id).info.labels == {"run": "opts"}
+
+
+def test_host_files_not_readable_or_writable(sb: shoal.Sandbox, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    r = sb.exec(f"cat {secret}; ls /var/lib/shoal; cat /etc/hostname")
+    assert "host secret" not in r.stdout
+    assert sb.exec("echo pwned > /etc/passwd && echo written").stdout == "written\n"
+    assert "pwned" not in Path("/etc/passwd").read_text()
+    assert sb.exec(f"echo x > {tmp_path}/escape.txt").exit_code != 0 or not (tmp_path / "escape.txt").exists()
+
+
+def test_other_sandboxes_invisible(client: shoal.Client) -> None:
+    with client.create(image="busybox", pool=False) as a, client.create(image="busybox", pool=False) as b:
+        a.exec("sleep 123.5 >/dev/null 2>&1 &")
+        assert "123.5" in a.exec("ps").stdout
+        assert "123.5" not in b.exec("ps").stdout
+        assert b.exec("ls /proc | grep -c '^[0-9]'").stdout.strip() in {"1", "2", "3", "4", "5"}
+
+
+def test_no_network_to_host_loopback(sb: shoal.Sandbox) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
+    probe = (
+        "import socket\ns=socket.socket(); s.settimeout(2)\n"
+        f"try:\n  s.connect(('127.0.0.1', {port})); print('connected')\n"
+        "except OSError as e: print('refused', e)\n"
+        "try:\n  socket.create_connection(('8.8.8.8', 53), timeout=2); print('internet')\n"
+        "except OSError as e: print('no route', e)\n"
+    )
+    out = sb.exec(["python3", "-c", probe]).stdout
+    server.close()
+    assert "refused" in out and "no route" in out and not accepted
+    assert sb.exec("cat /sys/class/net/*/operstate | sort | tr '\\n' ' '").stdout.split() == ["unknown"]
+
+
+def test_memory_limit_reports_oom(client: shoal.Client) -> None:
+    with client.create(image="debian", memory_mb=64, pool=False) as sb:
+        r = sb.exec(["python3", "-c", "x = bytearray(300 << 20); print('survived')"])
+        assert r.exit_code == 137 and r.oom_killed and "survived" not in r.stdout
+        assert sb.exec("echo still here").stdout == "still here\n"
+
+
+def test_pids_limit(client: shoal.Client, node) -> None:  # noqa: ANN001
+    from shoal import cgroups
+
+    with client.create(image="busybox", pids=16, pool=False) as sb:
+        r = sb.exec("for i in $(seq 40); do sleep 2 & done 2>&1; echo done", timeout=20)
+        assert "can't fork" in r.stdout + r.stderr or "Resource temporarily unavailable" in r.stdout + r.stderr
+        assert len(cgroups.procs(f"/{node.cgroup_parent}/{sb.id}")) <= 16
+        time.sleep(2.5)
+        assert sb.exec("echo recovered").stdout == "recovered\n"
+
+
+def test_cpu_quota(client: shoal.Client) -> None:
+    with client.create(image="debian", cpu=0.25, pool=False) as sb:
+        r = sb.exec(
+            ["python3", "-c", "import time,os\nt=time.time()\nwhile time.time()-t<1.5: pass\nprint(os.times().user)"]
+        )
+        assert float(r.stdout) < 0.6, f"used {r.stdout} s of CPU in 1.5 s under a 0.25-core quota"
+
+
+def test_output_cap(client: shoal.Client) -> None:
+    with client.create(image="busybox", pool=False) as sb:
+        r = sb.exec("yes | head -c 5000000; echo tail >&2")
+        assert len(r.stdout_bytes) == 1 << 20 and r.truncated and r.stderr == "tail\n"
+        small = sb.exec("yes | head -c 5000", output_cap_bytes=100)
+        assert len(small.stdout_bytes) == 100 and small.truncated
+        flood = sb.exec("yes", timeout=1)
+        assert flood.timed_out and len(flood.stdout_bytes) == 1 << 20
+
+
+def test_timeout_kills_tree_and_keeps_output(tiny: shoal.Sandbox) -> None:
+    start = time.monotonic()
+    r = tiny.exec("echo before; (setsid sleep 301 &); sleep 302", timeout=1)
+    assert r.timed_out and r.stdout == "before\n" and time.monotonic() - start < 5
+    assert "sleep 30" not in tiny.exec("ps").stdout
+
+
+def test_idle_timeout(tiny: shoal.Sandbox) -> None:
+    r = tiny.exec("for i in 1 2 3; do echo $i; sleep 0.1; done; sleep 300", timeout=30, idle_timeout=1)
+    assert r.timed_out and r.stdout == "1\n2\n3\n" and r.duration_s < 5
+
+
+def test_background_job_survives_exec(tiny: shoal.Sandbox) -> None:
+    start = time.monotonic()
+    assert tiny.exec("sleep 303 & echo started").stdout == "started\n"
+    assert time.monotonic() - start < 2
+    assert "sleep 303" in tiny.exec("ps").stdout
+
+
+def test_streaming(tiny: shoal.Sandbox) -> None:
+    stream = tiny.exec_stream("for i in 1 2 3; do echo $i; sleep 0.2; done; echo e >&2")
+    seen = [(c.stream, c.data, time.monotonic()) for c in stream]
+    assert b"".join(d for s, d, _ in seen if s == "stdout") == b"1\n2\n3\n"
+    assert seen[-1][2] - seen[0][2] > 0.3, "chunks should arrive as printed, not all at the end"
+    assert stream.result is not None and stream.result.exit_code == 0
+    got: list[bytes] = []
+    tiny.exec("echo cb", on_stdout=got.append)
+    assert got == [b"cb\n"]
+
+
+def test_persistent_shell(sb: shoal.Sandbox) -> None:
+    with sb.shell() as sh:
+        sh.run("cd /tmp && export GREETING=hello")
+        r = sh.run("pwd; echo $GREETING")
+        assert r.stdout == "/tmp\nhello\n" and r.exit_code == 0
+        assert sh.run("false").exit_code == 1
+        assert sh.run("printf no-newline").stdout == "no-newline"
+        assert sh.run("echo 'quote'\"s\"; echo err >&2").stdout == "quotes\n"
+        assert sh.run("cat").stdout == ""  # stdin is not the shell's command stream
+        slow = sh.run("sleep 100", timeout=0.5)
+        assert slow.timed_out
+        with pytest.raises(shoal.InvalidRequestError):
+            sh.run("true")
+
+
+def test_files_round_trip(sb: shoal.Sandbox, tmp_path: Path) -> None:
+    blob = bytes(range(256)) * 4096
+    sb.files.write("/work/data/blob.bin", blob)
+    assert sb.files.read("/work/data/blob.bin") == blob
+    sb.files.write("/work/a.txt", "text", mode=0o600)
+    assert sb.exec("stat -c %a /work/a.txt").stdout == "600\n"
+    names = {e.name: e for e in sb.files.list("/work")}
+    assert names["a.txt"].kind == "file" and names["data"].kind == "dir"
+    with pytest.raises(FileNotFoundError):
+        sb.files.read("/work/missing")
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "mod.py").write_text("print('hi')\n")
+    (src / "run.sh").write_text("#!/bin/sh\necho run\n")
+    (src / "run.sh").chmod(0o755)
+    assert sb.files.upload(str(src), "/work/src") == 2
+    assert sb.exec("/work/src/run.sh && python3 /work/src/pkg/mod.py").stdout == "run\nhi\n"
+    sb.exec("mkdir -p /work/out/sub && echo result > /work/out/sub/r.txt && ln -s sub/r.txt /work/out/link")
+    out = tmp_path / "out"
+    assert sb.files.download("/work/out", str(out)) == 1
+    assert (out / "sub" / "r.txt").read_text() == "result\n" and (out / "link").is_symlink()
+    sb.files.remove("/work/out", recursive=True)
+    assert not sb.files.exists("/work/out")
+
+
+def test_create_many_concurrently(client: shoal.Client) -> None:
+    many = client.create_many(20, "container", image="busybox", labels={"batch": "b1"}, pool=False)
+    try:
+        assert all(isinstance(s, shoal.Sandbox) for s in many), many
+        assert len({s.id for s in many}) == 20  # type: ignore[union-attr]
+        assert all(s.exec("echo ok").stdout == "ok\n" for s in many)  # type: ignore[union-attr]
+    finally:
+        assert client.close_all(labels={"batch": "b1"}) == 20
+
+
+def test_warm_pool_claim_binds_late(client: shoal.Client) -> None:
+    client.set_pool("container", "busybox", 2, wait=True, pids=512)
+    before = client.status()["pool_hits"]
+    with client.create(
+        "container", image="busybox", pids=512, env={"LATE": "bound"}, labels={"p": "1"}, workdir="/work/w",
+        files={"/work/w/in.txt": "input"}, ttl_s=60,
+    ) as sb:  # fmt: skip
+        assert client.status()["pool_hits"] == before + 1
+        assert sb.exec("echo $LATE; pwd; cat in.txt").stdout == "bound\n/work/w\ninput"
+        assert sb.info.labels == {"p": "1"} and sb.info.expires_at is not None
+    client.set_pool("container", "busybox", 0, pids=512)
+
+
+def test_ttl_expiry_closes_sandbox(client: shoal.Client) -> None:
+    sb = client.create(image="busybox", ttl_s=0.5, pool=False)
+    time.sleep(1.5)
+    with pytest.raises(shoal.SandboxClosedError, match="ttl"):
+        sb.exec("true")
+
+
+def test_bad_input_errors(client: shoal.Client) -> None:
+    with pytest.raises(shoal.ImageNotFoundError, match="no-such-image"):
+        client.create(image="no-such-image")
+    with pytest.raises(shoal.UnsupportedKindError, match="container"):
+        client.create("microvm-x", image="busybox")
+    with pytest.raises(shoal.InvalidRequestError, match="cores"):
+        client.create(image="busybox", cpu=512)
+    with pytest.raises(shoal.InvalidRequestError, match="memory_mb"):
+        client.create(image="busybox", memory_mb=1)
+    with pytest.raises(shoal.InvalidRequestError, match="runtime"):
+        client.create(image="busybox", runtime="nope")
+    with pytest.raises(TypeError, match="unexpected"):
+        client.create(image="busybox", colour="blue")
+    sb = client.create(image="busybox", pool=False)
+    sb.close()
+    sb.close()  # twice is fine
+    with pytest.raises(shoal.SandboxClosedError):
+        sb.exec("true")
+    with pytest.raises(shoal.SandboxNotFoundError):
+        client.get("local-000000000000")
+
+
+def test_no_node_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(shoal.NodeError, match="shoal node"):
+        shoal.Client(address=str(tmp_path / "none.sock"))
+
+
+def test_sandbox_whose_agent_dies_is_lost(client: shoal.Client, node) -> None:  # noqa: ANN001
+    import os
+    import signal
+
+    from shoal import cgroups
+
+    sb = client.create(image="busybox", pool=False)
+    for pid in cgroups.procs(f"/{node.cgroup_parent}/{sb.id}"):
+        os.kill(pid, signal.SIGKILL)
+    with pytest.raises(shoal.SandboxLostError, match="agent"):
+        sb.exec("true")
+    with pytest.raises(shoal.SandboxClosedError, match="lost"):
+        sb.exec("true")
+    with pytest.raises(shoal.SandboxClosedError, match="lost"):
+        client.get(sb.id)

@@ -1,0 +1,73 @@
+"""Nothing leaks: mounts, cgroups, processes and directories are gone after every way a sandbox ends."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+import shoal
+from conftest import NodeProcess, leftovers, no_leftovers
+
+
+def test_many_cycles_leave_nothing(client: shoal.Client, node: NodeProcess) -> None:
+    for _ in range(30):
+        with client.create(image="busybox", pool=False) as sb:
+            sb.exec("echo x > /tmp/f; sleep 100 & true")
+            sh = sb.shell()
+            sh.run("cd /tmp")
+    batch = client.create_many(10, image="busybox", pool=False)
+    for s in batch:
+        assert isinstance(s, shoal.Sandbox)
+        s.close()
+    assert not no_leftovers(node.home, node.cgroup_parent)
+
+
+async def test_cancelled_creates_leave_nothing(node: NodeProcess) -> None:
+    async with node.async_client() as client:
+        for delay in (0.0, 0.005, 0.01, 0.02, 0.04, 0.08):
+            task = asyncio.ensure_future(client.create(image="busybox", pool=False, labels={"t": "cancel"}))
+            await asyncio.sleep(delay)
+            task.cancel()
+            try:
+                made = await task
+            except asyncio.CancelledError:
+                continue
+            await made.close()  # it finished before the cancel arrived
+        await asyncio.sleep(0.5)
+        assert await client.list(labels={"t": "cancel"}) == []
+    assert not no_leftovers(node.home, node.cgroup_parent)
+
+
+async def test_failed_batch_leaves_nothing(tmp_path) -> None:  # noqa: ANN001
+    small = NodeProcess(tmp_path / "home", "shoal-test-cap", SHOAL_MAX_SANDBOXES="3").start()
+    try:
+        async with small.async_client() as client:
+            made = await client.create_many(6, image="busybox", pool=False, concurrency=6)
+            ok = [s for s in made if isinstance(s, shoal.AsyncSandbox)]
+            failed = [s for s in made if isinstance(s, Exception)]
+            assert len(ok) == 3 and len(failed) == 3
+            assert all(isinstance(e, shoal.CapacityError) for e in failed)
+            await client.close_all()
+        assert not no_leftovers(small.home, small.cgroup_parent)
+    finally:
+        small.stop()
+    assert not no_leftovers(small.home, small.cgroup_parent, node_stopped=True)
+
+
+def test_killed_node_is_reconciled_on_restart(tmp_path) -> None:  # noqa: ANN001
+    doomed = NodeProcess(tmp_path / "home", "shoal-test-kill").start()
+    with doomed.client() as client:
+        sandboxes = [client.create(image="busybox", pool=False) for _ in range(5)]
+        for sb in sandboxes:
+            sb.exec("sleep 1000 &")
+    doomed.stop(signal.SIGKILL)
+    found = leftovers(doomed.home, doomed.cgroup_parent)
+    assert len(found["agents"]) == 5 and len(found["mounts"]) == 5  # still running after the crash
+    restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
+    try:
+        assert not no_leftovers(restarted.home, restarted.cgroup_parent)
+    finally:
+        restarted.stop()
+    assert not no_leftovers(restarted.home, restarted.cgroup_parent, node_stopped=True)
