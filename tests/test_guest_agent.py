@@ -158,9 +158,7 @@ async def test_merge_stderr(agent: Agent) -> None:
 
 async def test_env_and_cwd(agent: Agent, workdir: str) -> None:
     env = {"PATH": "/usr/bin:/bin", "FOO": "bar baz", "EMPTY": ""}
-    out, _, info = await run(
-        agent.client, ["sh", "-c", 'echo "$FOO"; pwd; env'], env=env, cwd=workdir
-    )
+    out, _, info = await run(agent.client, ["sh", "-c", 'echo "$FOO"; pwd; env'], env=env, cwd=workdir)
     lines = out.decode().splitlines()
     assert lines[0] == "bar baz"
     assert lines[1] == workdir

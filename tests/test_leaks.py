@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import signal
 
-import pytest
+from conftest import NodeProcess, leftovers, no_leftovers
 
 import shoal
-from conftest import NodeProcess, leftovers, no_leftovers
 
 
 def test_many_cycles_leave_nothing(client: shoal.Client, node: NodeProcess) -> None:

@@ -1,9 +1,9 @@
 """shoal: isolated environments by the thousand for agentic RL, behind one Python interface.
 
-    import shoal
-    with shoal.Client() as client:
-        with client.create("container", image="debian") as sb:
-            print(sb.exec("echo hi").stdout)
+import shoal
+with shoal.Client() as client:
+    with client.create("container", image="debian") as sb:
+        print(sb.exec("echo hi").stdout)
 """
 
 from shoal.client import (

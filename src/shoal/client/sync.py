@@ -181,7 +181,9 @@ class Shell:
         self._inner = inner
         self.id = inner.id
 
-    def run(self, cmd: str, *, timeout: float | None = DEFAULT_TIMEOUT, idle_timeout: float | None = None) -> ExecResult:
+    def run(
+        self, cmd: str, *, timeout: float | None = DEFAULT_TIMEOUT, idle_timeout: float | None = None
+    ) -> ExecResult:
         return self._client._run(self._inner.run(cmd, timeout=timeout, idle_timeout=idle_timeout))
 
     def close(self) -> None:

@@ -130,9 +130,7 @@ class _Conn:
                 raise AgentError(_errno.EPROTO, f"bad frame length {length} from agent")
             payload = await self.reader.readexactly(length - 1) if length > 1 else b""
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            raise ConnectionError(
-                f"shoal agent at {self.path} closed the connection unexpectedly"
-            ) from exc
+            raise ConnectionError(f"shoal agent at {self.path} closed the connection unexpectedly") from exc
         return kind, payload
 
     async def expect(self, *kinds: bytes) -> tuple[int, bytes]:
@@ -339,9 +337,7 @@ class AgentClient:
         finally:
             await conn.close()
 
-    async def mkdir(
-        self, path: str, *, mode: int = 0o755, uid: int = 0, gid: int = 0, parents: bool = True
-    ) -> None:
+    async def mkdir(self, path: str, *, mode: int = 0o755, uid: int = 0, gid: int = 0, parents: bool = True) -> None:
         """Create a directory (and missing parents if ``parents``)."""
         payload = struct.pack(">IIIB", mode, uid, gid, 1 if parents else 0) + _cstr(path)
         await self._simple(b"M", payload)

@@ -83,3 +83,21 @@ def register_builtins(store: ImageStore) -> ImageStore:
     store.register_builtin("busybox", build_busybox)
     store.register_builtin("debian", build_debian)
     return store
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m shoal.images.builtin NAME...`: build builtin images straight into the store, no node."""
+    import sys
+
+    from shoal.config import Paths
+
+    names = (argv if argv is not None else sys.argv[1:]) or ["busybox", "debian"]
+    store = register_builtins(ImageStore(Paths.from_env().images))
+    for name in names:
+        image = store.ensure(name)
+        print(f"image {name}: {', '.join(str(p) for p in image.layers)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

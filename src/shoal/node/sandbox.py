@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from shoal.guest import AgentClient
 from shoal.images import Image
@@ -12,7 +12,7 @@ from shoal.protocol import SandboxInfo, SandboxSpec
 from shoal.substrates import Instance
 
 
-class State(str, Enum):
+class State(StrEnum):
     CREATING = "creating"
     READY = "ready"
     PAUSED = "paused"

@@ -20,10 +20,11 @@ from shoal.protocol import ErrorInfo, Request, Response
 
 log = logging.getLogger("shoal.server")
 
-OPS = (
-    "hello create get list kill close_all keepalive exec file_write file_read file_list file_stat "
-    "file_mkdir file_remove shell_open shell_run shell_close pool_set image_build image_list status"
-).split()
+OPS = [
+    "hello", "create", "get", "list", "kill", "close_all", "keepalive", "exec",
+    "file_write", "file_read", "file_list", "file_stat", "file_mkdir", "file_remove",
+    "shell_open", "shell_run", "shell_close", "pool_set", "image_build", "image_list", "status",
+]  # fmt: skip
 
 
 class _Op:

@@ -123,9 +123,7 @@ class NodeService:
     def _validate(self, spec: SandboxSpec) -> None:
         if spec.kind not in self.substrates:
             known = "unknown kind" if spec.kind not in KINDS else "not available on this node yet"
-            raise UnsupportedKindError(
-                f"kind {spec.kind!r}: {known}; kinds available here: {', '.join(self.kinds())}"
-            )
+            raise UnsupportedKindError(f"kind {spec.kind!r}: {known}; kinds available here: {', '.join(self.kinds())}")
         cores = os.cpu_count() or 1
         if spec.cpu is not None and not 0 < spec.cpu <= cores:
             raise InvalidRequestError(f"cpu={spec.cpu} is impossible here: this node has {cores} cores")
@@ -364,7 +362,14 @@ class NodeService:
     async def file_write(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, append: bool = False) -> int:
         sandbox = self._get(sandbox_id)
         return await self._agent_call(
-            sandbox_id, "write_file", _abs(path, sandbox), data, mode=mode, uid=sandbox.uid, gid=sandbox.gid, append=append
+            sandbox_id,
+            "write_file",
+            _abs(path, sandbox),
+            data,
+            mode=mode,
+            uid=sandbox.uid,
+            gid=sandbox.gid,
+            append=append,
         )
 
     async def file_read(self, sandbox_id: str, path: str, max_bytes: int = 256 << 20) -> bytes:
@@ -389,7 +394,11 @@ class NodeService:
 
     async def shell_open(self, sandbox_id: str) -> str:
         sandbox = self._get(sandbox_id)
-        argv = ["/bin/sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash --noprofile --norc; else exec sh; fi"]
+        argv = [
+            "/bin/sh",
+            "-c",
+            "if command -v bash >/dev/null 2>&1; then exec bash --noprofile --norc; else exec sh; fi",
+        ]
         proc = await self._agent_call(
             sandbox_id,
             "exec",

@@ -1,0 +1,45 @@
+# shoal: two commands on a fresh Debian machine (as root):  make demo   and   make test
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+APT_PACKAGES := crun runc bubblewrap mmdebstrap busybox-static erofs-utils iproute2 nftables \
+	qemu-system-x86 qemu-utils gcc libc6-dev make psmisc procps file util-linux
+PYTHON ?= python3
+
+.PHONY: setup demo test bench lint clean-state apt venv agent images
+
+setup: apt venv agent images
+
+apt:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages: $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+agent: venv
+	@$(PY) -c "from shoal.guest import agent_binary_path; print('agent:', agent_binary_path())"
+
+images: venv
+	@$(PY) -m shoal.images.builtin busybox debian
+
+demo: setup
+	$(VENV)/bin/shoal demo
+
+test: setup
+	$(VENV)/bin/pytest -q
+
+bench: setup
+	$(PY) bench/bench_container.py
+
+lint: venv
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
