@@ -59,6 +59,17 @@ async def wait(pid: int, *, timeout: float | None = None) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+async def wait_pidfd(pidfd: int, *, timeout: float | None = None) -> None:
+    """Wait until the process behind `pidfd` (not necessarily our child) has exited."""
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    try:
+        await asyncio.wait_for(exited, timeout)
+    finally:
+        loop.remove_reader(pidfd)
+
+
 def _kill_and_reap(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)

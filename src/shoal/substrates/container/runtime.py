@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +51,31 @@ class OciRuntime:
     async def delete(self, container_id: str, log: Path | str = "/dev/null") -> bool:
         """Kill and delete the container; True if the runtime knew it."""
         return await spawn.run([*self._base(), "delete", "-f", container_id], log_path=str(log)) == 0
+
+    async def kill_directly(self, container_id: str, pid: int, cgroup_path: str) -> bool:
+        """Delete a detached crun/runc container without spawning the runtime (saves a process per close).
+
+        SIGKILL its init — the kernel then kills the rest of its PID namespace — wait for it to exit, and
+        drop the runtime's state directory (all these runtimes keep for a detached container). The caller
+        removes the cgroup. Returns False (do nothing) unless `pid` is provably the container's init.
+        """
+        if self.name not in ("crun", "runc"):
+            return False
+        try:
+            if f"{cgroup_path}\n" not in Path(f"/proc/{pid}/cgroup").read_text():
+                return False
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            return False
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            await spawn.wait_pidfd(pidfd, timeout=10)
+        except (OSError, TimeoutError):
+            return False
+        finally:
+            os.close(pidfd)
+        shutil.rmtree(self.state_root / container_id, ignore_errors=True)
+        return True
 
     async def pause(self, container_id: str) -> None:
         await spawn.run([*self._base(), "pause", container_id])

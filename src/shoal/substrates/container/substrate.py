@@ -92,7 +92,9 @@ class ContainerSubstrate(Substrate):
 
     async def destroy(self, instance: Instance) -> None:
         runtime = self.runtime(instance.extra.get("runtime", "crun"))
-        await runtime.delete(instance.id)
+        pid = instance.extra.get("pid")
+        if not (pid and await runtime.kill_directly(instance.id, pid, instance.cgroup_path)):
+            await runtime.delete(instance.id)
         await asyncio.to_thread(_remove_leftovers, instance.directory, instance.cgroup_path)
 
     async def destroy_orphan(self, directory: Path) -> None:

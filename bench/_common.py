@@ -1,0 +1,53 @@
+"""Helpers shared by the benchmarks: percentiles, tables, a private node."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import time
+from pathlib import Path
+
+IMAGES = os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/images")
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summary(name: str, seconds: list[float], wall: float | None = None) -> str:
+    p50, p99 = statistics.median(seconds) * 1e3, pct(seconds, 0.99) * 1e3
+    rate = f"{len(seconds) / wall:8.1f}/s" if wall else " " * 10
+    return f"  {name:<44} p50 {p50:8.2f} ms   p99 {p99:8.2f} ms  {rate}  (n={len(seconds)})"
+
+
+class BenchNode:
+    """A node of the benchmark's own (own home and cgroup parent), stopped at the end."""
+
+    def __init__(self, name: str) -> None:
+        self.home = Path(f"/tmp/shoal-bench-{name}")
+        os.environ.update(SHOAL_HOME=str(self.home), SHOAL_IMAGES=IMAGES, SHOAL_CGROUP_PARENT=f"shoal-bench-{name}")
+
+    def stop(self) -> None:
+        lock = self.home / "node.lock"
+        try:
+            pid = int(lock.read_text())
+            os.kill(pid, signal.SIGTERM)
+        except (OSError, ValueError):
+            return
+        for _ in range(600):
+            if not Path(f"/proc/{pid}").exists():
+                return
+            time.sleep(0.05)
+
+
+def meminfo_used_mb() -> float:
+    fields = {}
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            key, value = line.split(":")
+            fields[key] = int(value.split()[0])
+    return (fields["MemTotal"] - fields["MemAvailable"]) / 1024
