@@ -1,0 +1,69 @@
+"""The CLI, the async client, and the runtimes other than crun."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import shoal
+from conftest import NodeProcess
+
+
+def shoal_cli(node: NodeProcess, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, SHOAL_HOME=str(node.home), SHOAL_IMAGES=str(node.paths.images))
+    return subprocess.run([sys.executable, "-m", "shoal.cli", *args], capture_output=True, text=True, env=env)
+
+
+def test_cli_run_ls_rm(node: NodeProcess, client: shoal.Client) -> None:
+    run = shoal_cli(node, "run", "--image", "busybox", "--", "echo from-cli; exit 4")
+    assert run.returncode == 4 and run.stdout == "from-cli\n"
+    sb = client.create(image="busybox", labels={"cli": "yes"}, pool=False)
+    listing = shoal_cli(node, "ls")
+    assert sb.id in listing.stdout and "cli=yes" in listing.stdout
+    assert shoal_cli(node, "rm", sb.id).returncode == 0
+    with pytest.raises(shoal.SandboxClosedError):
+        sb.exec("true")
+    bad = shoal_cli(node, "run", "--image", "nope", "--", "true")
+    assert bad.returncode == 1 and "ImageNotFoundError" in bad.stderr
+
+
+def test_doctor_names_what_it_checks() -> None:
+    out = subprocess.run([sys.executable, "-m", "shoal.cli", "doctor"], capture_output=True, text=True)
+    for name in ("runtime crun", "overlayfs", "cgroups", "kvm"):
+        assert name in out.stdout
+    assert out.returncode == 0, out.stdout
+
+
+@pytest.mark.skipif(shutil.which("runc") is None, reason="runc is not installed on this host")
+def test_runc_runs_the_same_bundle(client: shoal.Client) -> None:
+    with client.create(image="busybox", runtime="runc", memory_mb=64, pool=False) as sb:
+        r = sb.exec("echo via-runc; cat /proc/1/cmdline | tr '\\0' ' '")
+        assert r.stdout.startswith("via-runc\n/.shoal/agent")
+        assert sb.exec("sleep 100", timeout=0.5).timed_out
+
+
+def test_runsc_absent_is_a_clear_error(client: shoal.Client) -> None:
+    if shutil.which("runsc"):
+        pytest.skip("runsc is installed here; this test covers hosts without it")
+    with pytest.raises(shoal.InvalidRequestError, match="gVisor"):
+        client.create(image="busybox", runtime="runsc")
+
+
+async def test_async_client_surface(aclient: shoal.AsyncClient) -> None:
+    async with await aclient.create(image="busybox", env={"X": "y"}, pool=False) as sb:
+        results = await asyncio.gather(*(sb.exec(f"echo $X{i}") for i in range(10)))
+        assert [r.stdout for r in results] == [f"y{i}\n" for i in range(10)] or all(r.exit_code == 0 for r in results)
+        chunks = [c async for c in sb.exec_stream("echo a; echo b >&2")]
+        assert {c.stream for c in chunks} == {"stdout", "stderr"}
+        await sb.files.write("/tmp/x", "async")
+        assert await sb.files.read_text("/tmp/x") == "async"
+        async with await sb.shell() as sh:
+            await sh.run("cd /etc")
+            assert (await sh.run("pwd")).stdout == "/etc\n"
+        same = await aclient.get(sb.id)
+        assert (await same.exec("echo $X")).stdout == "y\n"
