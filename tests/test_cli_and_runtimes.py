@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import NodeProcess
 
 import shoal
-from conftest import NodeProcess
 
 
 def shoal_cli(node: NodeProcess, *args: str) -> subprocess.CompletedProcess:
