@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := crun runc bubblewrap mmdebstrap busybox-static erofs-utils iproute2 nftables \
+APT_PACKAGES := crun runc runsc bubblewrap mmdebstrap busybox-static erofs-utils iproute2 nftables \
 	qemu-system-x86 qemu-utils gcc libc6-dev make psmisc procps file util-linux
 PYTHON ?= python3
 

@@ -47,6 +47,17 @@ def test_runc_runs_the_same_bundle(client: shoal.Client) -> None:
         assert sb.exec("sleep 100", timeout=0.5).timed_out
 
 
+@pytest.mark.skipif(shutil.which("runsc") is None, reason="gVisor (runsc) is not installed on this host")
+def test_runsc_runs_the_same_bundle(client: shoal.Client, tmp_path) -> None:  # noqa: ANN001
+    with client.create(image="busybox", runtime="runsc", pool=False) as sb:
+        r = sb.exec("uname -r; echo $((6 * 7))")
+        assert r.exit_code == 0 and r.stdout.endswith("42\n")
+        assert r.stdout.split()[0] != os.uname().release, "gVisor reports its own kernel, not the host's"
+        sb.files.write("/tmp/g", "gvisor")
+        assert sb.files.read("/tmp/g") == b"gvisor"
+        assert sb.exec("sleep 100", timeout=1).timed_out
+
+
 def test_runsc_absent_is_a_clear_error(client: shoal.Client) -> None:
     if shutil.which("runsc"):
         pytest.skip("runsc is installed here; this test covers hosts without it")

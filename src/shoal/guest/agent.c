@@ -30,6 +30,7 @@
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/uio.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -1287,15 +1288,43 @@ static void main_sigterm(int s) {
     _exit(0);
 }
 
+static int listen_on_path(const char *path) {
+    struct sockaddr_un addr;
+    memset(&addr, 0, sizeof(addr));
+    addr.sun_family = AF_UNIX;
+    if (strlen(path) >= sizeof(addr.sun_path)) {
+        fprintf(stderr, "shoal-agent: socket path too long: %s\n", path);
+        return -1;
+    }
+    strcpy(addr.sun_path, path);
+    unlink(path);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&addr, sizeof(addr)) < 0 || listen(fd, 128) < 0) {
+        fprintf(stderr, "shoal-agent: listen on %s: %s\n", path, strerror(errno));
+        return -1;
+    }
+    if (fd < 3) { /* keep 0-2 free for the /dev/null fill below */
+        int moved = fcntl(fd, F_DUPFD, 3);
+        close(fd);
+        fd = moved;
+    }
+    return fd;
+}
+
 int main(int argc, char **argv) {
     int lfd = 3;
     if (argc == 3 && strcmp(argv[1], "--fd") == 0) {
         lfd = atoi(argv[2]);
+    } else if (argc == 3 && strcmp(argv[1], "--listen") == 0) {
+        /* Runtimes that cannot hand us a socket (gVisor) share a directory with the node instead. */
+        lfd = listen_on_path(argv[2]);
+        if (lfd < 0)
+            return 1;
     } else if (argc == 2 && strcmp(argv[1], "--version") == 0) {
         puts(AGENT_VERSION);
         return 0;
     } else if (argc != 1) {
-        fprintf(stderr, "usage: shoal-agent [--fd N]\n");
+        fprintf(stderr, "usage: shoal-agent [--fd N | --listen PATH]\n");
         return 2;
     }
     /* Make sure fds 0-2 exist so pipes never land there. */

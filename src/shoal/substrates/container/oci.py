@@ -45,6 +45,7 @@ MASKED_PATHS = [
 READONLY_PATHS = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 
 AGENT_PATH = "/.shoal/agent"
+AGENT_RUN_DIR = "/.shoal/run"
 CPU_PERIOD_US = 100_000
 
 
@@ -57,8 +58,13 @@ def bundle_config(
     memory_mb: int | None,
     pids: int | None,
     resolv_conf: str | None = None,
+    agent_dir: str | None = None,
 ) -> dict[str, Any]:
-    """config.json for a sandbox whose PID 1 is the shoal agent listening on inherited fd 3."""
+    """config.json for a sandbox whose PID 1 is the shoal agent.
+
+    The agent listens on inherited fd 3; or, with `agent_dir` (for runtimes that cannot pass a socket,
+    i.e. gVisor), on a socket it creates in that host directory, mounted at /.shoal/run.
+    """
     caps = list(CAPABILITIES)
     nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     resources: dict[str, Any] = {"devices": [{"allow": False, "access": "rwm"}]}
@@ -98,6 +104,10 @@ def bundle_config(
             "options": ["bind", "ro", "nosuid", "nodev"],
         },
     ]
+    args = [AGENT_PATH, "--fd", "3"]
+    if agent_dir:
+        mounts.append({"destination": AGENT_RUN_DIR, "type": "bind", "source": agent_dir, "options": ["bind", "rw"]})
+        args = [AGENT_PATH, "--listen", f"{AGENT_RUN_DIR}/agent.sock"]
     if resolv_conf:
         mounts.append(
             {"destination": "/etc/resolv.conf", "type": "bind", "source": resolv_conf, "options": ["bind", "ro"]}
@@ -107,7 +117,7 @@ def bundle_config(
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [AGENT_PATH, "--fd", "3"],
+            "args": args,
             "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
             "cwd": "/",
             "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},

@@ -32,16 +32,26 @@ class OciRuntime:
             raise InvalidRequestError(f"runtime {name!r} is not installed here: install {package}")
         return cls(name=name, binary=binary, state_root=state_root / name)
 
+    @property
+    def passes_fds(self) -> bool:
+        """Can the runtime hand the sandbox an inherited socket? (gVisor cannot: see oci.agent_dir.)"""
+        return self.name != "runsc"
+
     def _base(self) -> list[str]:
+        if self.name == "runsc":  # ptrace: gVisor's KVM platform needs real VMX/SVM (doctor says which)
+            platform = os.environ.get("SHOAL_RUNSC_PLATFORM", "ptrace")
+            return [self.binary, "--root", str(self.state_root), "--platform", platform, "--network", "none",
+                    "--host-uds", "create"]  # fmt: skip
         return [self.binary, "--root", str(self.state_root)]
 
-    async def run_detached(self, container_id: str, bundle: Path, listen_fd: int, log: Path) -> None:
-        """Create and start the container in the background, handing it `listen_fd` as fd 3."""
+    async def run_detached(self, container_id: str, bundle: Path, listen_fd: int | None, log: Path) -> None:
+        """Create and start the container in the background, handing it `listen_fd` (if any) as fd 3."""
         pid_file = str(bundle / "pid")
         if self.name == "runsc":
             argv = [*self._base(), "run", "-detach", "-pid-file", pid_file, "-bundle", str(bundle), container_id]
         else:
-            argv = [*self._base(), "run", "-d", "--preserve-fds", "1", "--pid-file", pid_file]
+            argv = [*self._base(), "run", "-d", "--pid-file", pid_file]
+            argv += ["--preserve-fds", "1"] if listen_fd is not None else []
             argv += ["--bundle", str(bundle), container_id]
         status = await spawn.run(argv, log_path=str(log), pass_fd=listen_fd)
         if status != 0:
@@ -50,7 +60,8 @@ class OciRuntime:
 
     async def delete(self, container_id: str, log: Path | str = "/dev/null") -> bool:
         """Kill and delete the container; True if the runtime knew it."""
-        return await spawn.run([*self._base(), "delete", "-f", container_id], log_path=str(log)) == 0
+        force = "-force" if self.name == "runsc" else "-f"
+        return await spawn.run([*self._base(), "delete", force, container_id], log_path=str(log)) == 0
 
     async def kill_directly(self, container_id: str, pid: int, cgroup_path: str) -> bool:
         """Delete a detached crun/runc container without spawning the runtime (saves a process per close).

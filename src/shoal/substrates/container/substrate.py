@@ -45,11 +45,12 @@ class ContainerSubstrate(Substrate):
     async def create(self, sandbox_id: str, spec: SandboxSpec, image: Image) -> Instance:
         runtime = self.runtime(spec.runtime)
         directory = self.sandboxes_dir / sandbox_id
+        agent_dir = None if runtime.passes_fds else directory / "agent"
         instance = Instance(
             id=sandbox_id,
             kind=self.kind,
             directory=directory,
-            agent_socket=directory / "agent.sock",
+            agent_socket=(agent_dir or directory) / "agent.sock",
             cgroup_path=f"/{self.cgroup_parent}/{sandbox_id}",
             extra={"runtime": runtime.name},
         )
@@ -67,14 +68,22 @@ class ContainerSubstrate(Substrate):
                 cpu=spec.cpu,
                 memory_mb=spec.memory_mb,
                 pids=spec.pids,
+                agent_dir=str(agent_dir) if agent_dir else None,
             )
+            if agent_dir:
+                agent_dir.mkdir()
             (directory / "config.json").write_text(json.dumps(config))
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            listener.bind(str(instance.agent_socket))
-            listener.listen(128)
-            await runtime.run_detached(sandbox_id, directory, listener.fileno(), directory / "runtime.log")
-            instance.extra["pid"] = pid = int((directory / "pid").read_text())
-            _shield_from_oom_killer(pid)
+            if agent_dir is None:
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                listener.bind(str(instance.agent_socket))
+                listener.listen(128)
+            fd = listener.fileno() if listener else None
+            await runtime.run_detached(sandbox_id, directory, fd, directory / "runtime.log")
+            if agent_dir is None:
+                instance.extra["pid"] = pid = int((directory / "pid").read_text())
+                _shield_from_oom_killer(pid)
+            else:
+                await _wait_for_socket(instance.agent_socket, directory / "runtime.log")
         except BaseException:
             await asyncio.shield(self.destroy(instance))
             raise
@@ -113,6 +122,16 @@ class ContainerSubstrate(Substrate):
 
     async def resume(self, instance: Instance) -> None:
         await self.runtime(instance.extra.get("runtime", "crun")).resume(instance.id)
+
+
+async def _wait_for_socket(path: Path, log: Path, timeout: float = 30.0) -> None:
+    """The agent creates its socket itself under gVisor: wait until it exists."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not path.exists():
+        if asyncio.get_running_loop().time() > deadline:
+            detail = log.read_text(errors="replace")[-500:] if log.exists() else ""
+            raise SandboxLostError(f"the sandbox's agent did not come up within {timeout:.0f} s: {detail}")
+        await asyncio.sleep(0.005)
 
 
 def _shield_from_oom_killer(pid: int) -> None:
