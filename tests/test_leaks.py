@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 
 from conftest import NodeProcess, leftovers, no_leftovers
 
@@ -70,3 +71,21 @@ def test_killed_node_is_reconciled_on_restart(tmp_path) -> None:  # noqa: ANN001
     finally:
         restarted.stop()
     assert not no_leftovers(restarted.home, restarted.cgroup_parent, node_stopped=True)
+
+
+def test_pools_from_settings_and_ttl_expiry_leave_nothing(tmp_path) -> None:  # noqa: ANN001
+    pooled = NodeProcess(tmp_path / "home", "shoal-test-pools", SHOAL_POOLS="busybox=2").start()
+    try:
+        with pooled.client() as client:
+            deadline = time.monotonic() + 30
+            while client.status()["pools"].get("container:busybox:crun:cpu=:mem=None:pids=1024", {}).get("ready") != 2:
+                assert time.monotonic() < deadline, client.status()
+                time.sleep(0.05)
+            sb = client.create(image="busybox", ttl_s=0.3)
+            assert client.status()["pool_hits"] == 1
+            time.sleep(1.2)
+            assert client.list() == []
+            assert sb.id not in [d.name for d in (pooled.home / "sandboxes").iterdir()]
+    finally:
+        pooled.stop()
+    assert not no_leftovers(pooled.home, pooled.cgroup_parent, node_stopped=True)

@@ -48,7 +48,7 @@ class NodeSettings:
 
     node_id: str = "local"
     output_cap_bytes: int = 1 << 20
-    pool_sizes: dict[str, int] = field(default_factory=dict)
+    pool_sizes: dict[str, int] = field(default_factory=dict)  # "[kind:]image" → warm sandboxes kept
     max_sandboxes: int = 20000
     cgroup_parent: str = "shoal"
 

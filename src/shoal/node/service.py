@@ -62,6 +62,9 @@ class NodeService:
         self.paths.sandboxes.mkdir(parents=True, exist_ok=True)
         await self.reconcile()
         self._reaper = asyncio.create_task(self._reap_forever())
+        for shape, size in self.settings.pool_sizes.items():  # SHOAL_POOLS="busybox=4,container:debian=2"
+            kind, _, image = shape.rpartition(":")
+            await self.pool_set(SandboxSpec(kind=kind or "container", image=image), size)
 
     async def stop(self) -> None:
         """Close every sandbox this node owns (a clean shutdown leaves nothing behind)."""
