@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 
+import pytest
 from conftest import NodeProcess, leftovers, no_leftovers
 
 import shoal
@@ -41,7 +43,7 @@ async def test_cancelled_creates_leave_nothing(node: NodeProcess) -> None:
 
 
 async def test_failed_batch_leaves_nothing(tmp_path) -> None:  # noqa: ANN001
-    small = NodeProcess(tmp_path / "home", "shoal-test-cap", SHOAL_MAX_SANDBOXES="3").start()
+    small = NodeProcess(tmp_path / "home", f"shoal-test-cap-{os.getpid()}", SHOAL_MAX_SANDBOXES="3").start()
     try:
         async with small.async_client() as client:
             made = await client.create_many(6, image="busybox", pool=False, concurrency=6)
@@ -57,7 +59,7 @@ async def test_failed_batch_leaves_nothing(tmp_path) -> None:  # noqa: ANN001
 
 
 def test_killed_node_is_reconciled_on_restart(tmp_path) -> None:  # noqa: ANN001
-    doomed = NodeProcess(tmp_path / "home", "shoal-test-kill").start()
+    doomed = NodeProcess(tmp_path / "home", f"shoal-test-kill-{os.getpid()}").start()
     with doomed.client() as client:
         sandboxes = [client.create(image="busybox", pool=False) for _ in range(5)]
         for sb in sandboxes:
@@ -74,7 +76,7 @@ def test_killed_node_is_reconciled_on_restart(tmp_path) -> None:  # noqa: ANN001
 
 
 def test_pools_from_settings_and_ttl_expiry_leave_nothing(tmp_path) -> None:  # noqa: ANN001
-    pooled = NodeProcess(tmp_path / "home", "shoal-test-pools", SHOAL_POOLS="busybox=2").start()
+    pooled = NodeProcess(tmp_path / "home", f"shoal-test-pools-{os.getpid()}", SHOAL_POOLS="busybox=2").start()
     try:
         with pooled.client() as client:
             deadline = time.monotonic() + 30
@@ -89,3 +91,40 @@ def test_pools_from_settings_and_ttl_expiry_leave_nothing(tmp_path) -> None:  # 
     finally:
         pooled.stop()
     assert not no_leftovers(pooled.home, pooled.cgroup_parent, node_stopped=True)
+
+
+def test_client_reconnects_to_a_restarted_node(tmp_path) -> None:  # noqa: ANN001
+    first = NodeProcess(tmp_path / "home", f"shoal-test-restart-{os.getpid()}").start()
+    with first.client() as client:
+        old_pid = first.pid
+        assert client.status()["pid"] == old_pid
+        first.stop()
+        try:
+            new_pid = client.status()["pid"]  # reconnects, starting a node again as Client() does
+            assert new_pid != old_pid and new_pid == first.pid
+        finally:
+            first.stop()
+    assert not no_leftovers(first.home, first.cgroup_parent, node_stopped=True)
+
+
+def test_full_disk_is_a_clear_capacity_error(tmp_path) -> None:  # noqa: ANN001
+    import subprocess
+
+    home = tmp_path / "home"
+    home.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(home)], check=True)
+    try:
+        small = NodeProcess(home, f"shoal-test-disk-{os.getpid()}").start()
+        try:
+            with small.client() as client:
+                sb = client.create(image="busybox", pool=False)
+                sb.exec("dd if=/dev/zero of=/fill bs=1M count=8 2>/dev/null; true")
+                with pytest.raises(shoal.CapacityError, match="no space left"):
+                    client.create(image="busybox", pool=False)
+                sb.close()
+                client.create(image="busybox", pool=False).close()  # space is back
+        finally:
+            small.stop()
+        assert not no_leftovers(small.home, small.cgroup_parent, node_stopped=True)
+    finally:
+        subprocess.run(["umount", "-l", str(home)], check=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +54,7 @@ class NodeSettings:
     cgroup_parent: str = "shoal"
 
     @classmethod
-    def from_env(cls) -> NodeSettings:
+    def from_env(cls, home: Path | None = None) -> NodeSettings:
         pools: dict[str, int] = {}
         for item in filter(None, os.environ.get("SHOAL_POOLS", "").split(",")):
             key, _, size = item.partition("=")
@@ -63,5 +64,13 @@ class NodeSettings:
             output_cap_bytes=int(os.environ.get("SHOAL_OUTPUT_CAP", str(1 << 20))),
             pool_sizes=pools,
             max_sandboxes=int(os.environ.get("SHOAL_MAX_SANDBOXES", "20000")),
-            cgroup_parent=os.environ.get("SHOAL_CGROUP_PARENT", "shoal"),
+            cgroup_parent=os.environ.get("SHOAL_CGROUP_PARENT") or default_cgroup_parent(home),
         )
+
+
+def default_cgroup_parent(home: Path | None) -> str:
+    """`shoal` for the default home; otherwise one derived from the home, so that two nodes on a host never
+    share (and so never reconcile away) each other's cgroups."""
+    if home is None or home == Path("/var/lib/shoal"):
+        return "shoal"
+    return f"shoal-{hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:10]}"

@@ -72,6 +72,11 @@ class AsyncClient:
             self._conn = None
 
     async def call(self, op: str, args: dict[str, Any] | None = None, **kw: Any) -> Any:
+        """One request to the node. A connection the node dropped (it restarted) is reopened first;
+        calls in flight when it dropped fail with NodeError rather than being sent twice."""
+        if self._conn is not None and self._conn.broken:
+            await self._conn.close()
+            self._conn = None
         if self._conn is None:
             await self.connect()
         assert self._conn is not None

@@ -50,6 +50,11 @@ class Connection:
         reader, writer = await asyncio.open_unix_connection(path, limit=1 << 24)
         return cls(reader, writer, path)
 
+    @property
+    def broken(self) -> bool:
+        """The node went away (not closed by us): a new connection may succeed."""
+        return self._closed is not None and not isinstance(self._closed, ConnectionAbortedError)
+
     async def call(
         self,
         op: str,

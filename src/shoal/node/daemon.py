@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print("shoal node must run as root (it mounts filesystems and manages cgroups)", file=sys.stderr)
         return 2
     paths = Paths.from_env()
-    settings = NodeSettings.from_env()
+    settings = NodeSettings.from_env(paths.home)
     paths.home.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(
         level=os.environ.get("SHOAL_LOG_LEVEL", "INFO"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import logging
 import os
 import secrets
@@ -114,7 +115,7 @@ class NodeService:
                     f"node {self.settings.node_id} holds {len(self.sandboxes)} sandboxes, its limit "
                     f"(SHOAL_MAX_SANDBOXES={self.settings.max_sandboxes}); close some or add nodes"
                 )
-            sandbox = await self._make(spec)
+            sandbox = await self._make_checked(spec)
         try:
             await self._bind(sandbox, spec, now)
         except BaseException:
@@ -143,6 +144,19 @@ class NodeService:
         for path in [spec.workdir or "/", *spec.files]:
             if not path.startswith("/"):
                 raise InvalidRequestError(f"path {path!r} must be absolute")
+
+    async def _make_checked(self, spec: SandboxSpec) -> Sandbox:
+        """`_make`, with a full disk reported as the capacity problem it is."""
+        try:
+            return await self._make(spec)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                free = shutil.disk_usage(self.paths.sandboxes).free >> 20
+                raise CapacityError(
+                    f"node {self.settings.node_id}: no space left under {self.paths.sandboxes} ({free} MiB free); "
+                    "free disk space or close sandboxes"
+                ) from exc
+            raise
 
     async def _make(self, spec: SandboxSpec) -> Sandbox:
         """Cold-create a sandbox with no late-bound fields applied."""

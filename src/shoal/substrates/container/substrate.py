@@ -55,11 +55,10 @@ class ContainerSubstrate(Substrate):
             extra={"runtime": runtime.name},
         )
         directory.mkdir(parents=True)
-        (directory / "record.json").write_text(
-            json.dumps({"id": sandbox_id, "kind": self.kind, "runtime": runtime.name, "cgroup": instance.cgroup_path})
-        )
         listener: socket.socket | None = None
         try:
+            record = {"id": sandbox_id, "kind": self.kind, "runtime": runtime.name, "cgroup": instance.cgroup_path}
+            (directory / "record.json").write_text(json.dumps(record))
             self._mount_rootfs(directory, image)
             config = bundle_config(
                 hostname="sandbox",
