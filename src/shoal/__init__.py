@@ -32,7 +32,10 @@ from shoal.errors import (
     ShoalError,
     UnsupportedKindError,
 )
+from shoal.images.builder import ImageBuilder
 from shoal.protocol import OutputChunk, SandboxSpec
+
+Image = ImageBuilder  # `shoal.Image.from_("debian").run(...)`
 
 __version__ = "0.1.0"
 
@@ -46,6 +49,8 @@ __all__ = [
     "DivergenceError",
     "ExecResult",
     "FileEntry",
+    "Image",
+    "ImageBuilder",
     "ImageError",
     "ImageNotFoundError",
     "InvalidRequestError",

@@ -25,6 +25,7 @@ class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     kind: str = "container"
     image: str = "debian"
+    layers: list[str] = []  # images whose layers stack on top of `image`, bottom first
     runtime: str = "crun"
     cpu: float | None = None
     memory_mb: int | None = None
@@ -42,7 +43,8 @@ class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     def pool_key(self) -> str:
         """Sandboxes that differ only in late-bound fields share a warm pool."""
         cpu = "" if self.cpu is None else f"{self.cpu:g}"
-        return f"{self.kind}:{self.image}:{self.runtime}:cpu={cpu}:mem={self.memory_mb}:pids={self.pids}"
+        image = "+".join([self.image, *self.layers])
+        return f"{self.kind}:{image}:{self.runtime}:cpu={cpu}:mem={self.memory_mb}:pids={self.pids}"
 
 
 class SandboxInfo(msgspec.Struct, kw_only=True):

@@ -14,6 +14,7 @@ from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.client.transport import Connection
 from shoal.config import Paths
 from shoal.errors import NodeError
+from shoal.images.builder import ImageBuilder
 from shoal.protocol import OutputChunk, SandboxSpec
 
 DEFAULT_TIMEOUT = 60.0
@@ -139,11 +140,44 @@ class AsyncClient:
     async def status(self) -> dict[str, Any]:
         return await self.call("status")
 
-    async def build_image(self, name: str, force: bool = False) -> dict[str, Any]:
-        return await self.call("image_build", {"name": name, "force": force})
+    async def build_image(
+        self, name: str, image: ImageBuilder | None = None, *, force: bool = False, no_cache: bool = False
+    ) -> dict[str, Any]:
+        """Build `image` (an `ImageBuilder`) as `name`, or without one the builtin image `name`."""
+        if image is None:
+            return await self.call("image_build", {"name": name, "force": force})
+        args = {"name": name, "base": image.base, "steps": list(image.steps), "no_cache": no_cache or force}
+        return await self.call("image_build", args)
 
     async def images(self) -> list[str]:
+        """Names of the images the node can use (present, or builtin and built on first use)."""
         return await self.call("image_list")
+
+    async def image_list(self) -> list[dict[str, Any]]:
+        """Images in the store with their layer count, size and creation time."""
+        return await self.call("image_ls")
+
+    async def image_inspect(self, name: str) -> dict[str, Any]:
+        return await self.call("image_inspect", {"name": name})
+
+    async def image_rm(self, name: str) -> dict[str, Any]:
+        """Forget an image; its layers go unless another image or a live sandbox uses them."""
+        return await self.call("image_rm", {"name": name})
+
+    async def image_prune(self) -> dict[str, Any]:
+        """Remove layers and blobs no image references and no sandbox has mounted."""
+        return await self.call("image_prune")
+
+    async def image_tag(self, source: str, target: str) -> None:
+        await self.call("image_tag", {"source": source, "target": target})
+
+    async def image_import(self, path: str | os.PathLike[str], name: str | None = None) -> list[str]:
+        """Import an OCI image layout (directory or tar) or a `docker save` archive on the node's machine."""
+        return await self.call("image_import", {"path": os.path.abspath(path), "name": name})
+
+    async def image_export(self, name: str, path: str | os.PathLike[str]) -> str:
+        """Write an image as an OCI layout (a directory, or a tar if `path` ends in .tar); returns its digest."""
+        return await self.call("image_export", {"name": name, "path": os.path.abspath(path)})
 
 
 class ExecStream:
@@ -263,6 +297,10 @@ class AsyncSandbox:
         self.info = protocol.convert(
             await self.client.call("keepalive", {"sandbox_id": self.id, "ttl_s": ttl_s}), SandboxInfo
         )
+
+    async def snapshot(self, name: str) -> dict[str, Any]:
+        """Commit this sandbox's writes (deletions too) as image `name`: its image plus one new layer."""
+        return await self.client.call("sandbox_snapshot", {"sandbox_id": self.id, "name": name})
 
     async def close(self) -> None:
         """Destroy the sandbox and everything it owns. Closing twice is fine."""

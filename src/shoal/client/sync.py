@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from shoal.client.aio import DEFAULT_TIMEOUT, AsyncClient, AsyncFiles, AsyncSandbox, AsyncShell, ExecStream
+from shoal.images.builder import ImageBuilder
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.protocol import OutputChunk
 
@@ -91,11 +93,34 @@ class Client:
     def status(self) -> dict[str, Any]:
         return self._run(self._async.status())
 
-    def build_image(self, name: str, force: bool = False) -> dict[str, Any]:
-        return self._run(self._async.build_image(name, force))
+    def build_image(
+        self, name: str, image: ImageBuilder | None = None, *, force: bool = False, no_cache: bool = False
+    ) -> dict[str, Any]:
+        return self._run(self._async.build_image(name, image, force=force, no_cache=no_cache))
 
     def images(self) -> list[str]:
         return self._run(self._async.images())
+
+    def image_list(self) -> list[dict[str, Any]]:
+        return self._run(self._async.image_list())
+
+    def image_inspect(self, name: str) -> dict[str, Any]:
+        return self._run(self._async.image_inspect(name))
+
+    def image_rm(self, name: str) -> dict[str, Any]:
+        return self._run(self._async.image_rm(name))
+
+    def image_prune(self) -> dict[str, Any]:
+        return self._run(self._async.image_prune())
+
+    def image_tag(self, source: str, target: str) -> None:
+        self._run(self._async.image_tag(source, target))
+
+    def image_import(self, path: str | os.PathLike[str], name: str | None = None) -> list[str]:
+        return self._run(self._async.image_import(path, name))
+
+    def image_export(self, name: str, path: str | os.PathLike[str]) -> str:
+        return self._run(self._async.image_export(name, path))
 
 
 class Sandbox:
@@ -136,6 +161,9 @@ class Sandbox:
 
     def keepalive(self, ttl_s: float | None = None) -> None:
         self._client._run(self._inner.keepalive(ttl_s))
+
+    def snapshot(self, name: str) -> dict[str, Any]:
+        return self._client._run(self._inner.snapshot(name))
 
     def close(self) -> None:
         self._client._run(self._inner.close())

@@ -25,8 +25,9 @@ from shoal.errors import (
     UnsupportedKindError,
 )
 from shoal.guest import AgentClient, AgentError
-from shoal.images import ImageStore
+from shoal.images import Image, ImageStore
 from shoal.images.builtin import register_builtins
+from shoal.node.images import NodeImages
 from shoal.node.pools import WarmPools
 from shoal.node.sandbox import Sandbox, State
 from shoal.node.shell import ShellSession
@@ -46,6 +47,7 @@ class NodeService:
         self.paths = paths
         self.settings = settings
         self.images = register_builtins(ImageStore(paths.images))
+        self.node_images = NodeImages(self.images, paths.home / "layers")
         self.substrates: dict[str, Substrate] = {
             "container": ContainerSubstrate(paths.sandboxes, paths.runtime_root, settings.cgroup_parent),
         }
@@ -62,6 +64,7 @@ class NodeService:
     async def start(self) -> None:
         self.paths.sandboxes.mkdir(parents=True, exist_ok=True)
         await self.reconcile()
+        await asyncio.to_thread(self.node_images.reconcile)
         self._reaper = asyncio.create_task(self._reap_forever())
         for shape, size in self.settings.pool_sizes.items():  # SHOAL_POOLS="busybox=4,container:debian=2"
             kind, _, image = shape.rpartition(":")
@@ -73,6 +76,7 @@ class NodeService:
             self._reaper.cancel()
         await self.pools.drain()
         await asyncio.gather(*(self.kill(i, reason="node shut down") for i in list(self.sandboxes)))
+        await asyncio.to_thread(self.node_images.mounts.release_all)
 
     async def reconcile(self) -> list[str]:
         """Remove what sandboxes of an earlier node process left: mounts, cgroups, runtime state, files."""
@@ -158,19 +162,25 @@ class NodeService:
                 ) from exc
             raise
 
-    async def _make(self, spec: SandboxSpec) -> Sandbox:
+    async def _make(self, spec: SandboxSpec, image: Image | None = None) -> Sandbox:
         """Cold-create a sandbox with no late-bound fields applied."""
-        image = await self._image(spec.image)
+        if image is None:
+            image = await self.node_images.resolve(spec.image, spec.layers)
         sandbox_id = f"{self.settings.node_id}-{secrets.token_hex(6)}"
         substrate = self.substrates[spec.kind]
         self._creating += 1
         try:
-            instance = await substrate.create(sandbox_id, spec, image)
+            image = await self.node_images.acquire(image)
             try:
+                instance = await substrate.create(sandbox_id, spec, image)
                 agent = AgentClient(str(instance.agent_socket))
-                await asyncio.wait_for(agent.hello(), 10)
+                try:
+                    await asyncio.wait_for(agent.hello(), 10)
+                except BaseException:
+                    await asyncio.shield(substrate.destroy(instance))
+                    raise
             except BaseException:
-                await asyncio.shield(substrate.destroy(instance))
+                await asyncio.shield(self.node_images.release(image.layer_ids))
                 raise
         finally:
             self._creating -= 1
@@ -206,7 +216,24 @@ class NodeService:
         raise InvalidRequestError(f"user {name!r} does not exist in image {sandbox.spec.image!r}")
 
     async def _destroy(self, sandbox: Sandbox) -> None:
-        await self.substrates[sandbox.spec.kind].destroy(sandbox.instance)
+        try:
+            await self.substrates[sandbox.spec.kind].destroy(sandbox.instance)
+        finally:
+            await self.node_images.release(sandbox.image.layer_ids)
+
+    async def _spawn(self, spec: SandboxSpec, image: Image) -> Sandbox:
+        """A sandbox of an unnamed layer stack (build steps), registered so node shutdown closes it."""
+        sandbox = await self._make(spec, image)
+        try:
+            await self._bind(sandbox, spec, time.time())
+        except BaseException:
+            await asyncio.shield(self._destroy(sandbox))
+            raise
+        self.sandboxes[sandbox.id] = sandbox
+        return sandbox
+
+    async def exec_in(self, sandbox: Sandbox, argv: list[str], timeout: float | None) -> ExecResult:
+        return await self.exec(ExecRequest(sandbox_id=sandbox.id, cmd=argv, timeout=timeout))
 
     def _get(self, sandbox_id: str) -> Sandbox:
         sandbox = self.sandboxes.get(sandbox_id)
@@ -450,18 +477,53 @@ class NodeService:
 
     async def pool_set(self, spec: SandboxSpec, size: int, wait: bool = False) -> dict[str, Any]:
         self._validate(spec)
-        await self._image(spec.image)
+        await self.node_images.resolve(spec.image, spec.layers)
         await self.pools.configure(spec, size)
         if wait:
             await self.pools.wait_full(spec)
         return self.pools.stats()
 
-    async def image_build(self, name: str, force: bool = False) -> dict[str, Any]:
-        image = await asyncio.to_thread(self.images.build, name, force=force)
-        return {"name": image.name, "layers": [str(p) for p in image.layers]}
+    async def image_build(
+        self,
+        name: str,
+        force: bool = False,
+        base: str | None = None,
+        steps: list[dict[str, Any]] | None = None,
+        no_cache: bool = False,
+    ) -> dict[str, Any]:
+        """Build a builtin image (no `steps`), or `steps` over image `base` (see shoal.images.builder)."""
+        if steps is None:
+            image = await asyncio.to_thread(self.images.build, name, force=force)
+            return {"name": image.name, "layers": list(image.layer_ids)}
+        return await self.node_images.build(self, name, base or "scratch", steps, no_cache=no_cache)
 
     async def image_list(self) -> list[str]:
         return self.images.names()
+
+    async def image_ls(self) -> list[dict[str, Any]]:
+        return await self.node_images.list()
+
+    async def image_inspect(self, name: str) -> dict[str, Any]:
+        return await self.node_images.inspect(name)
+
+    async def image_rm(self, name: str) -> dict[str, Any]:
+        return await self.node_images.remove(name)
+
+    async def image_prune(self) -> dict[str, Any]:
+        return await self.node_images.prune()
+
+    async def image_tag(self, source: str, target: str) -> None:
+        await asyncio.to_thread(self.images.tag, source, target)
+
+    async def image_import(self, path: str, name: str | None = None) -> list[str]:
+        return await self.node_images.import_archive(path, name)
+
+    async def image_export(self, name: str, path: str) -> str:
+        return await self.node_images.export_archive(name, path)
+
+    async def sandbox_snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
+        """Commit the sandbox's writes as a new image `name` (its image plus one layer)."""
+        return await self.node_images.snapshot(self, self._get(sandbox_id), name)
 
     async def status(self) -> dict[str, Any]:
         states = collections.Counter(s.state.value for s in self.sandboxes.values())

@@ -1,0 +1,137 @@
+"""A fluent image builder: `shoal.Image.from_("debian").apt_install("git").run("...").copy("./src", "/work")`.
+
+The builder only records steps; `client.build_image(name, builder)` sends them to the node, which runs each
+RUN in a sandbox and commits its writes as one layer (COPY becomes a layer straight from the files sent),
+cached by the step and everything before it. Config steps (env, workdir, user, cmd, entrypoint, label)
+change the image's config and the cache keys of later steps, but add no layer.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shlex
+import tarfile
+from pathlib import Path
+from typing import Any
+
+from shoal.errors import InvalidRequestError
+
+
+class ImageBuilder:
+    """Steps over a base image. Every method returns a new builder, so partial builders can be shared."""
+
+    def __init__(self, base: str = "scratch", steps: tuple[dict[str, Any], ...] = ()) -> None:
+        self.base = base
+        self.steps = steps
+
+    @classmethod
+    def from_(cls, base: str) -> ImageBuilder:
+        return cls(base)
+
+    @classmethod
+    def from_dockerfile(cls, path: str | os.PathLike[str], context: str | os.PathLike[str] | None = None) -> ImageBuilder:
+        from shoal.images.dockerfile import parse
+
+        file = Path(path)
+        return parse(file.read_text(), Path(context) if context is not None else file.parent)
+
+    def _with(self, step: dict[str, Any]) -> ImageBuilder:
+        return ImageBuilder(self.base, (*self.steps, step))
+
+    def run(self, *commands: str | list[str], timeout: float | None = None) -> ImageBuilder:
+        """Run each command (a shell string or an argv list) in its own step."""
+        builder = self
+        for command in commands:
+            step: dict[str, Any] = {"op": "run", "cmd": command}
+            if timeout is not None:
+                step["timeout"] = timeout
+            builder = builder._with(step)
+        return builder
+
+    def apt_install(self, *packages: str) -> ImageBuilder:
+        names = " ".join(shlex.quote(p) for p in packages)
+        return self.run(
+            "export DEBIAN_FRONTEND=noninteractive && apt-get update -qq && "
+            f"apt-get install -y -qq --no-install-recommends {names} && rm -rf /var/lib/apt/lists/*"
+        )
+
+    def pip_install(self, *packages: str) -> ImageBuilder:
+        names = " ".join(shlex.quote(p) for p in packages)
+        return self.run(f"python3 -m pip install --no-cache-dir --break-system-packages {names}")
+
+    def copy(self, source: str | os.PathLike[str], dest: str, *, mode: int | None = None) -> ImageBuilder:
+        """Copy a local file or directory to `dest` in the image (read now, when the step is added)."""
+        return self._with({"op": "copy", "dest": dest, "tar": _tar_of(Path(source), dest, mode)})
+
+    def add(self, source: str | os.PathLike[str], dest: str) -> ImageBuilder:
+        """Like `copy`, but a local tar archive is unpacked at `dest`."""
+        path = Path(source)
+        if path.is_file() and tarfile.is_tarfile(path):
+            return self._with({"op": "copy", "dest": dest, "tar": _retarget(path, dest)})
+        return self.copy(path, dest)
+
+    def env(self, values: dict[str, str] | None = None, **more: str) -> ImageBuilder:
+        return self._with({"op": "env", "value": {**(values or {}), **more}})
+
+    def label(self, values: dict[str, str] | None = None, **more: str) -> ImageBuilder:
+        return self._with({"op": "label", "value": {**(values or {}), **more}})
+
+    def workdir(self, path: str) -> ImageBuilder:
+        return self._with({"op": "workdir", "value": path})
+
+    def user(self, user: str) -> ImageBuilder:
+        return self._with({"op": "user", "value": user})
+
+    def cmd(self, command: str | list[str]) -> ImageBuilder:
+        return self._with({"op": "cmd", "value": command})
+
+    def entrypoint(self, command: str | list[str]) -> ImageBuilder:
+        return self._with({"op": "entrypoint", "value": command})
+
+    def __repr__(self) -> str:
+        return f"<ImageBuilder from {self.base!r}, {len(self.steps)} steps>"
+
+
+def _clean_dest(dest: str) -> str:
+    if not dest.startswith("/"):
+        raise InvalidRequestError(f"copy destination {dest!r} must be an absolute path in the image")
+    return dest.strip("/")
+
+
+def _tar_of(source: Path, dest: str, mode: int | None) -> bytes:
+    """A layer tar of `source` placed at `dest` (a directory's contents go below `dest`), owned by root."""
+    if not source.exists():
+        raise InvalidRequestError(f"copy source {source} does not exist")
+    base = _clean_dest(dest)
+    buffer = io.BytesIO()
+
+    def owned_by_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = ""
+        if mode is not None and info.isreg():
+            info.mode = mode
+        return info
+
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        if source.is_dir():
+            for path in sorted(source.rglob("*")):
+                archive.add(str(path), arcname=f"{base}/{path.relative_to(source).as_posix()}", recursive=False,
+                            filter=owned_by_root)  # fmt: skip
+        else:
+            target = base if not dest.endswith("/") else f"{base}/{source.name}"
+            archive.add(str(source), arcname=target, filter=owned_by_root)
+    return buffer.getvalue()
+
+
+def _retarget(archive_path: Path, dest: str) -> bytes:
+    base = _clean_dest(dest)
+    buffer = io.BytesIO()
+    with tarfile.open(archive_path) as source, tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as out:
+        for member in source:
+            name = member.name.removeprefix("./").strip("/")
+            member.name = f"{base}/{name}" if name else base
+            if member.islnk():
+                member.linkname = f"{base}/{member.linkname.removeprefix('./')}"
+            out.addfile(member, source.extractfile(member) if member.isreg() else None)
+    return buffer.getvalue()

@@ -1,0 +1,229 @@
+"""The node's side of images: composing layer stacks, mounting them, snapshots, builds and store operations.
+
+`NodeService` delegates here. Disk work (unpacking, mkfs.erofs, hashing) runs in threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shoal.errors import ImageError, InvalidRequestError, UnsupportedKindError
+from shoal.images import Image, ImageConfig, ImageStore, layout
+from shoal.images.erofs import LayerMounts, unmount_stale
+from shoal.protocol import SandboxSpec
+
+if TYPE_CHECKING:
+    from shoal.node.sandbox import Sandbox
+    from shoal.node.service import NodeService
+
+log = logging.getLogger("shoal.images")
+
+CONFIG_STEPS = ("env", "workdir", "user", "cmd", "entrypoint", "label", "shell")
+BUILD_STEP_TIMEOUT_S = 3600.0
+
+
+class NodeImages:
+    def __init__(self, store: ImageStore, mount_root: Path) -> None:
+        self.store = store
+        self.mounts = LayerMounts(mount_root)
+        self.mount_root = mount_root
+
+    def reconcile(self) -> list[str]:
+        return unmount_stale(self.mount_root)
+
+    # ---------------------------------------------------------------- composition and mounts
+
+    async def resolve(self, name: str, extra: list[str] | tuple[str, ...] = ()) -> Image:
+        """Image `name` with the layers of the images in `extra` stacked on top (each layer once)."""
+        base = await self._ensure(name)
+        ids = list(base.layer_ids)
+        env, labels = dict(base.config.env), dict(base.config.labels)
+        for other_name in extra:
+            other = await self._ensure(other_name)
+            ids += [d for d in other.layer_ids if d not in ids]
+            env.update(other.config.env)
+            labels.update(other.config.labels)
+        if not extra:
+            return base
+        config = dataclasses.replace(base.config, env=env, labels=labels)
+        label = "+".join([name, *extra])
+        return Image(label, tuple(self.store.layer_dir(d) for d in ids), config, tuple(ids))
+
+    async def _ensure(self, name: str) -> Image:
+        try:
+            return self.store.get(name)
+        except ImageError:
+            return await asyncio.to_thread(self.store.ensure, name)
+
+    async def acquire(self, image: Image) -> Image:
+        """The same image with `layers` as mounted overlay lowers; pair with `release`."""
+        held: list[str] = []
+        try:
+            paths = []
+            for diff_id, directory in zip(image.layer_ids, image.layers, strict=True):
+                paths.append(await asyncio.to_thread(self.mounts.acquire, diff_id, directory))
+                held.append(diff_id)
+        except BaseException:
+            await asyncio.shield(self.release(held))
+            raise
+        return dataclasses.replace(image, layers=tuple(paths))
+
+    async def release(self, layer_ids: list[str] | tuple[str, ...]) -> None:
+        for diff_id in layer_ids:
+            await asyncio.to_thread(self.mounts.release, diff_id)
+
+    # ---------------------------------------------------------------- snapshots
+
+    async def snapshot(self, service: NodeService, sandbox: Sandbox, name: str) -> dict[str, Any]:
+        """Commit the sandbox's writes (deletions included) as one layer over its image; register `name`."""
+        if sandbox.spec.kind != "container":
+            raise UnsupportedKindError(f"snapshots of {sandbox.spec.kind} sandboxes are not supported yet")
+        substrate = service.substrates[sandbox.spec.kind]
+        upper = sandbox.instance.directory / "upper"
+        paused = sandbox.state.value == "paused"
+        if not paused:
+            await substrate.pause(sandbox.instance)  # a consistent view of the upper directory
+        try:
+            diff_id = await asyncio.to_thread(self.store.add_layer_dir, upper)
+        finally:
+            if not paused:
+                await substrate.resume(sandbox.instance)
+        layers = [*sandbox.image.layer_ids, diff_id]
+        await asyncio.to_thread(self.store.commit, name, layers, sandbox.image.config)
+        return {"name": name, "layer": diff_id, "layers": layers, "size": self.store.layer_info(diff_id).size}
+
+    # ---------------------------------------------------------------- builds
+
+    async def build(
+        self, service: NodeService, name: str, base: str, steps: list[dict[str, Any]], no_cache: bool = False
+    ) -> dict[str, Any]:
+        """Run build steps over `base`; each RUN or COPY becomes one layer, cached by (parent chain, step)."""
+        image = await self._ensure(base) if base != "scratch" else Image("scratch", (), ImageConfig(), ())
+        layers = list(image.layer_ids)
+        config = image.config
+        key = "base:" + ",".join(layers)
+        report = []
+        for number, step in enumerate(steps, 1):
+            op = step.get("op")
+            if op in CONFIG_STEPS:
+                config = _apply_config(config, step)
+                key = _key(key, step)
+                report.append({"step": number, "op": op, "cached": True})
+                continue
+            if op == "copy":
+                data = step.get("tar")
+                if not isinstance(data, bytes):
+                    raise InvalidRequestError(f"step {number}: copy needs the files as a tar in `tar`")
+                key = _key(key, {"op": "copy", "sha256": hashlib.sha256(data).hexdigest()})
+            elif op == "run":
+                if not step.get("cmd"):
+                    raise InvalidRequestError(f"step {number}: run needs a command")
+                key = _key(key, {"op": "run", "cmd": step["cmd"], "config": dataclasses.asdict(config)})
+            else:
+                raise InvalidRequestError(f"step {number}: unknown build step {op!r}")
+            cached = None if no_cache else self.store.cache_get(key)
+            if cached is not None:
+                layers.append(cached)
+                report.append({"step": number, "op": op, "cached": True, "layer": cached})
+                continue
+            if op == "copy":
+                diff_id = await asyncio.to_thread(self.store.add_layer_tar, io.BytesIO(step["tar"]))
+            else:
+                diff_id = await self._run_step(service, layers, config, step, number)
+            self.store.cache_put(key, diff_id)
+            layers.append(diff_id)
+            report.append({"step": number, "op": op, "cached": False, "layer": diff_id})
+        await asyncio.to_thread(self.store.commit, name, layers, config)
+        return {"name": name, "layers": layers, "steps": report}
+
+    async def _run_step(
+        self, service: NodeService, layers: list[str], config: ImageConfig, step: dict[str, Any], number: int
+    ) -> str:
+        if not layers:
+            raise ImageError(f"step {number}: RUN needs a base image with a shell (FROM scratch has none)")
+        image = Image("build", tuple(self.store.layer_dir(d) for d in layers), config, tuple(layers))
+        spec = SandboxSpec(image="build", pool=False, workdir=config.workdir, labels={"shoal.build": "1"})
+        if config.user and config.user not in ("0", "0:0", "root"):
+            spec.user = config.user
+        sandbox = await service._spawn(spec, image)
+        try:
+            cmd = step["cmd"]
+            argv = list(cmd) if isinstance(cmd, list) else [*config.shell, "-c", cmd]
+            result = await service.exec_in(sandbox, argv, timeout=step.get("timeout") or BUILD_STEP_TIMEOUT_S)
+            if result.exit_code != 0 or result.timed_out:
+                tail = (result.stdout + result.stderr)[-2000:].decode(errors="replace")
+                why = "timed out" if result.timed_out else f"exited {result.exit_code}"
+                raise ImageError(f"build step {number} (RUN {cmd!r}) {why}:\n{tail}")
+            return (await self.snapshot_layer(service, sandbox))
+        finally:
+            await service.kill(sandbox.id, reason="build step done")
+
+    async def snapshot_layer(self, service: NodeService, sandbox: Sandbox) -> str:
+        substrate = service.substrates[sandbox.spec.kind]
+        await substrate.pause(sandbox.instance)
+        try:
+            return await asyncio.to_thread(self.store.add_layer_dir, sandbox.instance.directory / "upper")
+        finally:
+            await substrate.resume(sandbox.instance)
+
+    # ---------------------------------------------------------------- store operations
+
+    async def list(self) -> list[dict[str, Any]]:
+        out = []
+        for name in self.store.present():
+            try:
+                data = self.store.record(name)
+            except ImageError:
+                continue
+            size = 0
+            for diff_id in data["layers"]:
+                try:
+                    size += self.store.layer_info(diff_id).size
+                except ImageError:
+                    pass
+            out.append({"name": name, "layers": len(data["layers"]), "size": size, "created": data.get("created")})
+        return out
+
+    async def inspect(self, name: str) -> dict[str, Any]:
+        return await asyncio.to_thread(self.store.inspect, name)
+
+    async def remove(self, name: str) -> dict[str, Any]:
+        return await asyncio.to_thread(self.store.remove, name)
+
+    async def prune(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self.store.prune)
+
+    async def import_archive(self, path: str, name: str | None = None) -> list[str]:
+        return await asyncio.to_thread(layout.import_archive, self.store, Path(path), name)
+
+    async def export_archive(self, name: str, path: str) -> str:
+        return await asyncio.to_thread(layout.export_archive, self.store, name, Path(path))
+
+
+def _key(parent: str, step: dict[str, Any]) -> str:
+    return hashlib.sha256((parent + "\n" + json.dumps(step, sort_keys=True, default=str)).encode()).hexdigest()
+
+
+def _apply_config(config: ImageConfig, step: dict[str, Any]) -> ImageConfig:
+    op, value = step["op"], step.get("value")
+    if op == "env":
+        return dataclasses.replace(config, env={**config.env, **dict(value)})
+    if op == "label":
+        return dataclasses.replace(config, labels={**config.labels, **dict(value)})
+    if op == "workdir":
+        path = str(value)
+        if not path.startswith("/"):
+            path = str(Path(config.workdir) / path)
+        return dataclasses.replace(config, workdir=path)
+    if op == "user":
+        return dataclasses.replace(config, user=str(value))
+    if op in ("cmd", "entrypoint", "shell"):
+        return dataclasses.replace(config, **{op: list(value) if isinstance(value, list) else ["/bin/sh", "-c", value]})
+    raise InvalidRequestError(f"unknown config step {op!r}")
