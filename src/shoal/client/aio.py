@@ -175,6 +175,30 @@ class AsyncClient:
         """Import an OCI image layout (directory or tar) or a `docker save` archive on the node's machine."""
         return await self.call("image_import", {"path": os.path.abspath(path), "name": name})
 
+    async def image_pull(
+        self,
+        reference: str,
+        name: str | None = None,
+        *,
+        auth: str | None = None,
+        platform: str | None = None,
+        on_progress: Callable[[dict[str, Any]], Any] | None = None,
+    ) -> dict[str, Any]:
+        """Pull HOST[:PORT]/REPO[:TAG|@DIGEST] (auth: 'user:password'; platform: 'linux/amd64')."""
+        args = {"reference": reference, "name": name, "auth": auth, "platform": platform}
+        return await self.call("image_pull", args, on_event=on_progress)
+
+    async def image_push(
+        self,
+        name: str,
+        reference: str,
+        *,
+        auth: str | None = None,
+        on_progress: Callable[[dict[str, Any]], Any] | None = None,
+    ) -> dict[str, Any]:
+        """Push a stored image to HOST[:PORT]/REPO[:TAG]; blobs the registry already has are skipped."""
+        return await self.call("image_push", {"name": name, "reference": reference, "auth": auth}, on_event=on_progress)
+
     async def image_export(self, name: str, path: str | os.PathLike[str]) -> str:
         """Write an image as an OCI layout (a directory, or a tar if `path` ends in .tar); returns its digest."""
         return await self.call("image_export", {"name": name, "path": os.path.abspath(path)})

@@ -10,8 +10,8 @@ from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 from shoal.client.aio import DEFAULT_TIMEOUT, AsyncClient, AsyncFiles, AsyncSandbox, AsyncShell, ExecStream
-from shoal.images.builder import ImageBuilder
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
+from shoal.images.builder import ImageBuilder
 from shoal.protocol import OutputChunk
 
 T = TypeVar("T")
@@ -118,6 +118,12 @@ class Client:
 
     def image_import(self, path: str | os.PathLike[str], name: str | None = None) -> list[str]:
         return self._run(self._async.image_import(path, name))
+
+    def image_pull(self, reference: str, name: str | None = None, **options: Any) -> dict[str, Any]:
+        return self._run(self._async.image_pull(reference, name, **options))
+
+    def image_push(self, name: str, reference: str, **options: Any) -> dict[str, Any]:
+        return self._run(self._async.image_push(name, reference, **options))
 
     def image_export(self, name: str, path: str | os.PathLike[str]) -> str:
         return self._run(self._async.image_export(name, path))

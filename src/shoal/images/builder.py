@@ -30,7 +30,9 @@ class ImageBuilder:
         return cls(base)
 
     @classmethod
-    def from_dockerfile(cls, path: str | os.PathLike[str], context: str | os.PathLike[str] | None = None) -> ImageBuilder:
+    def from_dockerfile(
+        cls, path: str | os.PathLike[str], context: str | os.PathLike[str] | None = None
+    ) -> ImageBuilder:
         from shoal.images.dockerfile import parse
 
         file = Path(path)

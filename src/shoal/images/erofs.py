@@ -101,7 +101,9 @@ class LayerMounts:
         try:
             lock_fd = os.open(layer_dir / "layer.json", os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise ImageError(f"layer {layer_id[:19]} is missing from the store (removed?); pull or rebuild the image") from None
+            raise ImageError(
+                f"layer {layer_id[:19]} is missing from the store (removed?); pull or rebuild the image"
+            ) from None
         fcntl.flock(lock_fd, fcntl.LOCK_SH)  # waits while a garbage collector holds it exclusively
         try:
             if os.fstat(lock_fd).st_ino != os.stat(layer_dir / "layer.json").st_ino:
@@ -116,7 +118,9 @@ class LayerMounts:
             return _Held(path=target, refs=0, lock_fd=lock_fd, mounted=True)
         except FileNotFoundError:
             os.close(lock_fd)
-            raise ImageError(f"layer {layer_id[:19]} was removed while being mounted; pull or rebuild the image") from None
+            raise ImageError(
+                f"layer {layer_id[:19]} was removed while being mounted; pull or rebuild the image"
+            ) from None
         except BaseException:
             os.close(lock_fd)
             raise

@@ -150,7 +150,9 @@ def _import_oci(store: ImageStore, source: _Source, name: str | None) -> list[st
         diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
         layers = manifest.get("layers") or []
         if len(diff_ids) != len(layers):
-            raise ImageError(f"image {ref!r}: manifest has {len(layers)} layers but config lists {len(diff_ids)} diff_ids")
+            raise ImageError(
+                f"image {ref!r}: manifest has {len(layers)} layers but config lists {len(diff_ids)} diff_ids"
+            )
         for layer, diff_id in zip(layers, diff_ids, strict=True):
             if store.has_layer(diff_id):
                 continue
@@ -221,7 +223,11 @@ def manifest_json(store: ImageStore, name: str, config: bytes) -> bytes:
         {
             "schemaVersion": 2,
             "mediaType": MANIFEST,
-            "config": {"mediaType": CONFIG, "digest": "sha256:" + hashlib.sha256(config).hexdigest(), "size": len(config)},
+            "config": {
+                "mediaType": CONFIG,
+                "digest": "sha256:" + hashlib.sha256(config).hexdigest(),
+                "size": len(config),
+            },
             "layers": layers,
         }
     )
@@ -260,7 +266,9 @@ def export_archive(store: ImageStore, name: str, path: Path) -> str:
     for diff_id in store.record(name)["layers"]:
         info = store.layer_info(diff_id)
         if not store.has_blob(info.blob):
-            raise ImageError(f"layer {diff_id[:19]} has no stored archive (blob {info.blob[:19]}); pull the image again")
+            raise ImageError(
+                f"layer {diff_id[:19]} has no stored archive (blob {info.blob[:19]}); pull the image again"
+            )
         files.append((_blob_name(info.blob), store.blob_path(info.blob)))
     if path.suffix == ".tar":
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

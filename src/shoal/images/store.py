@@ -251,7 +251,9 @@ class ImageStore:
                     out.write(chunk)
             digest = reader.digest
             if expect is not None and digest != expect:
-                raise ImageError(f"digest mismatch: expected {expect}, the content hashes to {digest}; the source is corrupt")
+                raise ImageError(
+                    f"digest mismatch: expected {expect}, the content hashes to {digest}; the source is corrupt"
+                )
             return self.adopt_blob(tmp, digest), reader.size
 
     def adopt_blob(self, path: Path, digest: str) -> str:
@@ -441,7 +443,9 @@ def _disk_errors(what: str) -> Iterator[None]:
         yield
     except OSError as exc:
         if exc.errno in (28, 122):  # ENOSPC, EDQUOT
-            raise ImageError(f"disk full while {what}: free space under the image store (try `shoal image prune`)") from exc
+            raise ImageError(
+                f"disk full while {what}: free space under the image store (try `shoal image prune`)"
+            ) from exc
         raise
 
 

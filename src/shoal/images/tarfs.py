@@ -187,7 +187,9 @@ def _apply_meta(path: Path, member: tarfile.TarInfo) -> None:
     for key, value in member.pax_headers.items():
         if key.startswith("SCHILY.xattr."):
             try:
-                os.setxattr(path, key[len("SCHILY.xattr.") :], value.encode("utf-8", "surrogateescape"), follow_symlinks=False)
+                os.setxattr(
+                    path, key[len("SCHILY.xattr.") :], value.encode("utf-8", "surrogateescape"), follow_symlinks=False
+                )
             except OSError:
                 pass  # an xattr this filesystem refuses (e.g. security.* without the LSM): not fatal
     if not member.issym():

@@ -11,13 +11,17 @@ import hashlib
 import io
 import json
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import ImageError, InvalidRequestError, UnsupportedKindError
-from shoal.images import Image, ImageConfig, ImageStore, layout
+from shoal.images import Image, ImageConfig, ImageStore, layout, registry
 from shoal.images.erofs import LayerMounts, unmount_stale
 from shoal.protocol import SandboxSpec
+
+Emit = Callable[[Any], Awaitable[None]]
 
 if TYPE_CHECKING:
     from shoal.node.sandbox import Sandbox
@@ -34,6 +38,7 @@ class NodeImages:
         self.store = store
         self.mounts = LayerMounts(mount_root)
         self.mount_root = mount_root
+        self._pulls: dict[tuple[str, str | None], tuple[asyncio.Future, list[Emit]]] = {}
 
     def reconcile(self) -> list[str]:
         return unmount_stale(self.mount_root)
@@ -161,7 +166,7 @@ class NodeImages:
                 tail = (result.stdout + result.stderr)[-2000:].decode(errors="replace")
                 why = "timed out" if result.timed_out else f"exited {result.exit_code}"
                 raise ImageError(f"build step {number} (RUN {cmd!r}) {why}:\n{tail}")
-            return (await self.snapshot_layer(service, sandbox))
+            return await self.snapshot_layer(service, sandbox)
         finally:
             await service.kill(sandbox.id, reason="build step done")
 
@@ -203,8 +208,53 @@ class NodeImages:
     async def import_archive(self, path: str, name: str | None = None) -> list[str]:
         return await asyncio.to_thread(layout.import_archive, self.store, Path(path), name)
 
+    async def pull(
+        self, reference: str, name: str | None, auth: str | None, platform: str | None, emit: Emit | None
+    ) -> dict[str, Any]:
+        """Pull from a registry; concurrent pulls of the same reference share one download."""
+        key = (reference, name)
+        if key not in self._pulls:
+            listeners: list[Emit] = []
+            wanted = tuple(platform.split("/", 1)) if platform else None
+            progress = _progress_relay(asyncio.get_running_loop(), listeners)
+            task = asyncio.ensure_future(
+                asyncio.to_thread(
+                    registry.pull, self.store, reference, name, auth=auth, platform=wanted, progress=progress
+                )
+            )
+            self._pulls[key] = (task, listeners)
+            task.add_done_callback(lambda _t: self._pulls.pop(key, None))
+        task, listeners = self._pulls[key]
+        if emit is not None:
+            listeners.append(emit)
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if emit is not None and emit in listeners:
+                listeners.remove(emit)
+
+    async def push(self, name: str, reference: str, auth: str | None, emit: Emit | None) -> dict[str, Any]:
+        progress = _progress_relay(asyncio.get_running_loop(), [emit] if emit else [])
+        return await asyncio.to_thread(registry.push, self.store, name, reference, auth=auth, progress=progress)
+
     async def export_archive(self, name: str, path: str) -> str:
         return await asyncio.to_thread(layout.export_archive, self.store, name, Path(path))
+
+
+def _progress_relay(loop: asyncio.AbstractEventLoop, listeners: list[Emit]) -> registry.Progress:
+    """A thread-side progress callback that forwards (at most ~10/s per blob) to async listeners."""
+    last: dict[str, float] = {}
+
+    def progress(what: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - last.get(what, 0.0) < 0.1:
+            return
+        last[what] = now
+        event = {"blob": what, "done": done, "total": total}
+        for emit in list(listeners):
+            loop.call_soon_threadsafe(lambda e=emit: asyncio.ensure_future(e(event)))
+
+    return progress
 
 
 def _key(parent: str, step: dict[str, Any]) -> str:

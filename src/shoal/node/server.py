@@ -25,6 +25,7 @@ OPS = [
     "file_write", "file_read", "file_list", "file_stat", "file_mkdir", "file_remove",
     "shell_open", "shell_run", "shell_close", "pool_set", "image_build", "image_list", "status",
     "image_ls", "image_inspect", "image_rm", "image_prune", "image_tag", "image_import", "image_export",
+    "image_pull", "image_push",
     "sandbox_snapshot",
 ]  # fmt: skip
 

@@ -521,6 +521,22 @@ class NodeService:
     async def image_export(self, name: str, path: str) -> str:
         return await self.node_images.export_archive(name, path)
 
+    async def image_pull(
+        self,
+        reference: str,
+        name: str | None = None,
+        auth: str | None = None,
+        platform: str | None = None,
+        emit: Emit | None = None,
+    ) -> dict[str, Any]:
+        """Pull HOST[:PORT]/REPO[:TAG|@DIGEST] into the store; streams progress events."""
+        return await self.node_images.pull(reference, name, auth, platform, emit)
+
+    async def image_push(
+        self, name: str, reference: str, auth: str | None = None, emit: Emit | None = None
+    ) -> dict[str, Any]:
+        return await self.node_images.push(name, reference, auth, emit)
+
     async def sandbox_snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
         """Commit the sandbox's writes as a new image `name` (its image plus one layer)."""
         return await self.node_images.snapshot(self, self._get(sandbox_id), name)
