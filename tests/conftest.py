@@ -14,7 +14,7 @@ import shoal
 from shoal.config import Paths
 from shoal.node.daemon import spawn_background
 
-IMAGES = Path(os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/images"))
+IMAGES = Path(os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/store"))
 
 
 def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dict[str, list[str]]:
@@ -44,7 +44,24 @@ def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dic
             if cmdline.startswith(b"/.shoal/agent") and _in_cgroup(proc, cgroup_parent):
                 agents.append(proc.name)
     dirs = [str(p) for p in (home / "sandboxes").iterdir()] if (home / "sandboxes").is_dir() else []
-    return {"mounts": mounts, "cgroups": cgroup_dirs, "agents": agents, "dirs": dirs}
+    return {"mounts": mounts, "cgroups": cgroup_dirs, "agents": agents, "dirs": dirs, "layers": layer_mounts(home)}
+
+
+def layer_mounts(home: Path) -> list[str]:
+    """Image layer mounts (EROFS) the node at `home` holds, seen from its mount namespace if it runs."""
+    mountinfo = Path("/proc/self/mountinfo")
+    try:
+        pid = int((home / "node.lock").read_text())
+        if Path(f"/proc/{pid}/mountinfo").exists():
+            mountinfo = Path(f"/proc/{pid}/mountinfo")
+    except (OSError, ValueError):
+        pass
+    base = str(home / "layers") + "/"
+    try:
+        lines = mountinfo.read_text().splitlines()
+    except OSError:
+        return []
+    return [target for line in lines if (target := line.split()[4]).startswith(base)]
 
 
 def _in_cgroup(proc: Path, parent: str) -> bool:

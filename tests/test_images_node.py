@@ -1,0 +1,172 @@
+"""Images through a real node: composition, snapshots, builds (builder and Dockerfile), GC with live sandboxes."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from conftest import NodeProcess, layer_mounts
+from ocitools import Entry, layer_tar, write_oci_layout
+
+import shoal
+from shoal.images import erofs
+
+
+def _unique(prefix: str) -> str:
+    return f"{prefix}-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+
+
+def test_composition_stacks_images_without_repacking(client: shoal.Client, tmp_path: Path) -> None:
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "main.py").write_text("print('hi')\n")
+    workspace, toolkit = _unique("ws"), _unique("tk")
+    client.build_image(workspace, shoal.Image.from_("scratch").copy(tmp_path / "repo", "/work/repo").env(REPO="1"))
+    tool = tmp_path / "tool"
+    tool.write_text("#!/bin/sh\necho tool-ran\n")
+    tool.chmod(0o755)
+    client.build_image(toolkit, shoal.Image.from_("scratch").copy(tool, "/opt/tk/tool").env(TK="2"))
+    with client.create("container", image="busybox", layers=[workspace, toolkit], pool=False) as sb:
+        assert sb.exec("cat /work/repo/main.py").stdout == "print('hi')\n"
+        assert sb.exec("/opt/tk/tool").stdout == "tool-ran\n"
+        assert sb.exec("echo $REPO$TK").stdout == "12\n"
+        assert sb.exec("ls /bin/busybox").exit_code == 0
+    with pytest.raises(shoal.ImageNotFoundError):
+        client.create("container", image="busybox", layers=["no-such-layer-image"], pool=False)
+
+
+def test_snapshot_keeps_writes_and_deletions_and_costs_only_the_writes(client: shoal.Client, tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    for name in "ab":
+        (tmp_path / "data" / name).write_text(name)
+    base = _unique("snapbase")
+    client.build_image(base, shoal.Image.from_("busybox").copy(tmp_path / "data", "/data"))
+    snap = _unique("snap")
+    with client.create("container", image=base, pool=False) as sb:
+        sb.exec("echo written > /root/new && rm /etc/group && rm -rf /data && mkdir /data && echo c > /data/c")
+        result = sb.snapshot(snap)
+        assert sb.exec("cat /root/new").stdout == "written\n"  # still running after the snapshot
+    image_size = sum(layer["size"] for layer in client.image_inspect(base)["layers"])
+    assert result["size"] < image_size / 10, (result["size"], image_size)
+    with client.create("container", image=snap, pool=False) as sb:
+        assert sb.exec("cat /root/new").stdout == "written\n"
+        assert sb.exec("test -e /etc/group").exit_code == 1
+        assert sb.exec("ls /data").stdout.split() == ["c"]  # the old directory is hidden (opaque)
+        assert sb.exec("cat /etc/passwd").exit_code == 0
+    assert len(client.image_inspect(snap)["layers"]) == len(client.image_inspect(base)["layers"]) + 1
+
+
+def test_builds_are_cached_by_step_and_parent(client: shoal.Client) -> None:
+    name = _unique("built")
+    marker = _unique("m")
+    recipe = (
+        shoal.Image.from_("busybox")
+        .run(f"echo {marker} > /built && cat /proc/sys/kernel/random/uuid > /stamp")
+        .env(GREETING="hello")
+        .workdir("/app")
+        .run("echo $GREETING > greeting")
+    )
+    first = client.build_image(name, recipe)
+    assert [s["cached"] for s in first["steps"]] == [False, True, True, False]
+    again = client.build_image(name, recipe)
+    assert all(s["cached"] for s in again["steps"]) and again["layers"] == first["layers"]
+    changed = client.build_image(name + "-b", recipe.run("echo more > /more"))
+    assert [s["cached"] for s in changed["steps"]] == [True, True, True, True, False]
+    with client.create("container", image=name, pool=False) as sb:
+        assert sb.info.workdir == "/app"
+        assert sb.exec("cat /built; cat greeting; echo $GREETING").stdout == f"{marker}\nhello\nhello\n"
+        stamp = sb.exec("cat /stamp").stdout
+    with client.create("container", image=name + "-b", pool=False) as sb:
+        assert sb.exec("cat /stamp").stdout == stamp  # the shared step was not run again
+        assert sb.exec("cat /more").stdout == "more\n"
+
+
+def test_dockerfile_subset(client: shoal.Client, tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "app.sh").write_text("echo app\n")
+    (tmp_path / "Dockerfile").write_text(
+        "# a comment\n"
+        "FROM busybox\n"
+        "ARG WHO=world\n"
+        'ENV GREETING="hello" \\\n    TARGET=$WHO\n'
+        "LABEL team=rl\n"
+        "WORKDIR /srv\n"
+        "COPY src/ /srv/src/\n"
+        'RUN ["/bin/sh", "-c", "echo $GREETING $TARGET > out.txt"]\n'
+        "RUN echo runner:x:1234:1234::/tmp:/bin/sh >> /etc/passwd\n"
+        "USER runner\n"
+        "RUN id -u > /tmp/uid\n"
+        'CMD ["sh", "src/app.sh"]\n'
+        "EXPOSE 8080\n"
+    )
+    name = _unique("df")
+    report = client.build_image(name, shoal.Image.from_dockerfile(tmp_path / "Dockerfile"))
+    assert sum(1 for s in report["steps"] if not s["cached"]) == 4  # COPY + three RUNs
+    info = client.image_inspect(name)
+    assert info["config"]["cmd"] == ["sh", "src/app.sh"] and info["config"]["labels"] == {"team": "rl"}
+    assert info["config"]["user"] == "runner"
+    with client.create("container", image=name, pool=False) as sb:
+        assert sb.exec("cat out.txt; sh src/app.sh; cat /tmp/uid").stdout == "hello world\napp\n1234\n"
+    bad = tmp_path / "Bad"
+    bad.write_text("FROM busybox\nFROM busybox\n")
+    with pytest.raises(shoal.InvalidRequestError, match="multi-stage"):
+        shoal.Image.from_dockerfile(bad)
+
+
+def test_a_failing_step_names_the_step_and_leaves_nothing(client: shoal.Client, node: NodeProcess) -> None:
+    name = _unique("fails")
+    with pytest.raises(shoal.ImageError, match=r"(?s)step 2 .*exited 3.*oops"):
+        client.build_image(name, shoal.Image.from_("busybox").run("true", "echo oops >&2; exit 3"))
+    assert name not in client.images()
+    assert not [s for s in client.list() if s.labels.get("shoal.build")]
+
+
+def test_gc_never_removes_a_layer_a_live_sandbox_uses(client: shoal.Client, tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("still here")
+    name = _unique("gc")
+    built = client.build_image(name, shoal.Image.from_("busybox").copy(tmp_path / "f", "/f"))
+    own_layer = built["layers"][-1]
+    with client.create("container", image=name, pool=False) as sb:
+        result = client.image_rm(name)
+        assert own_layer in result["in_use"] and result["removed_layers"] == []
+        assert sb.exec("cat /f").stdout == "still here"
+        with pytest.raises(shoal.ImageNotFoundError):
+            client.create("container", image=name, pool=False)
+    pruned = client.image_prune()
+    assert own_layer in pruned["removed_layers"]
+    assert "busybox" in client.images()
+    with client.create("container", image="busybox", pool=False) as sb:  # shared base layer untouched
+        assert sb.exec("true").exit_code == 0
+
+
+@pytest.mark.skipif(not erofs.supported(), reason="no EROFS on this host: layers are plain directories")
+def test_layer_mounts_are_shared_and_released(client: shoal.Client, node: NodeProcess) -> None:
+    layers = client.image_inspect("busybox")["layers"]
+    sandboxes = [client.create("container", image="busybox", pool=False) for _ in range(3)]
+    try:
+        mounted = layer_mounts(node.home)
+        assert len(mounted) >= len(layers)
+        assert len(mounted) == len(set(mounted))  # one mount per layer, shared by all three
+    finally:
+        for sb in sandboxes:
+            sb.close()
+    deadline = time.monotonic() + 5
+    while layer_mounts(node.home) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert layer_mounts(node.home) == []
+
+
+def test_import_through_the_client_and_whiteouts_over_a_base(client: shoal.Client, tmp_path: Path) -> None:
+    tar = layer_tar([Entry("etc", "dir", mode=0o755), Entry("etc/group", "whiteout"), Entry("etc/added", data=b"+")])
+    write_oci_layout(tmp_path / "oci", [tar], ref="patch")
+    name = _unique("patch")
+    assert client.image_import(tmp_path / "oci", name) == [name]
+    with client.create("container", image="busybox", layers=[name], pool=False) as sb:
+        assert sb.exec("test -e /etc/group").exit_code == 1
+        assert sb.exec("cat /etc/added").stdout == "+"
+    out = tmp_path / "exported.tar"
+    assert client.image_export(name, out).startswith("sha256:")
+    assert out.stat().st_size > 0
+    with pytest.raises(shoal.ImageError, match="neither an OCI image layout"):
+        client.image_import(tmp_path / "oci" / "blobs")
