@@ -1,0 +1,188 @@
+"""Registry pull and push against a real registry server on loopback (Debian's docker-registry)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ocitools import Entry, layer_tar, sha, write_oci_layout
+
+import shoal
+from shoal.errors import ImageError, ImageNotFoundError
+from shoal.images import ImageStore, layout, registry
+
+REGISTRY = shutil.which("docker-registry")
+pytestmark = pytest.mark.skipif(REGISTRY is None, reason="docker-registry is not installed (apt-get install docker-registry)")
+
+
+class Registry:
+    """A registry server on 127.0.0.1 with its own storage; stop() and start() keep the content."""
+
+    def __init__(self, root: Path, extra_config: str = "") -> None:
+        self.root = root
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.host = f"127.0.0.1:{self.port}"
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        (root / "config.yml").write_text(
+            "version: 0.1\nlog:\n  level: error\n"
+            f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n  delete:\n    enabled: true\n"
+            f"http:\n  addr: {self.host}\n" + extra_config
+        )
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Registry:
+        log = open(self.root / "registry.log", "ab")  # noqa: SIM115 - owned by the process
+        self.proc = subprocess.Popen([REGISTRY, "serve", str(self.root / "config.yml")], stdout=log, stderr=log)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://{self.host}/v2/", timeout=1).close()
+                return self
+            except urllib.error.HTTPError:
+                return self  # answering (401 with auth on)
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"registry did not start: {(self.root / 'registry.log').read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def blob_file(self, digest: str) -> Path:
+        hexd = digest[7:]
+        return self.root / "data/docker/registry/v2/blobs/sha256" / hexd[:2] / hexd / "data"
+
+
+@pytest.fixture
+def reg(tmp_path: Path) -> Iterator[Registry]:
+    server = Registry(tmp_path / "registry").start()
+    yield server
+    server.stop()
+
+
+LAYERS = [
+    layer_tar([Entry("etc", "dir", mode=0o755), Entry("etc/a", data=b"a" * 1000), Entry("etc/gone", data=b"x")]),
+    layer_tar([Entry("etc", "dir", mode=0o755), Entry("etc/gone", "whiteout"), Entry("etc/b", data=b"b")]),
+    layer_tar([Entry("big", data=os.urandom(6 << 20))]),
+]
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> ImageStore:
+    store = ImageStore(tmp_path / "src-store")
+    write_oci_layout(tmp_path / "oci", LAYERS)
+    layout.import_archive(store, tmp_path / "oci", "app")
+    return store
+
+
+def test_push_pull_round_trip_skips_what_is_there(reg: Registry, source: ImageStore, tmp_path: Path) -> None:
+    ref = f"{reg.host}/team/app:v1"
+    pushed = registry.push(source, "app", ref)
+    assert pushed["uploaded"] == 3 and pushed["skipped"] == 0
+    assert registry.push(source, "app", f"{reg.host}/team/app:v2")["skipped"] == 3
+    target = ImageStore(tmp_path / "dst")
+    pulled = registry.pull(target, ref)
+    assert pulled["name"] == ref and pulled["fetched"] == 3 and pulled["digest"] == pushed["digest"]
+    assert list(target.get(ref).layer_ids) == [sha(t) for t in LAYERS]
+    assert registry.pull(target, f"{reg.host}/team/app:v2", "local")["skipped"] == 3
+    by_digest = registry.pull(target, f"{reg.host}/team/app@{pushed['digest']}", "pinned")
+    assert by_digest["layers"] == pulled["layers"]
+    with pytest.raises(ImageNotFoundError, match="not in the registry"):
+        registry.pull(target, f"{reg.host}/team/app:nope")
+    with pytest.raises(ImageError, match="names no registry"):
+        registry.pull(target, "team/app:v1")
+
+
+def test_index_platform_selection(reg: Registry, source: ImageStore, tmp_path: Path) -> None:
+    pushed = registry.push(source, "app", f"{reg.host}/multi/app:amd")
+    client = registry.RegistryClient(registry.Reference.parse(f"{reg.host}/multi/app:all"), push=True)
+    _, digest, raw = client.manifest("amd")
+    index = {
+        "schemaVersion": 2,
+        "mediaType": layout.INDEX,
+        "manifests": [
+            {"mediaType": layout.MANIFEST, "digest": digest, "size": len(raw), "platform": {"os": "linux", "architecture": arch}}
+            for arch in ("arm64", layout.host_platform()[1])
+        ],
+    }
+    body = json.dumps(index).encode()
+    client.request("PUT", "manifests/all", headers={"Content-Type": layout.INDEX}, body=body, ok=(201,)).close()
+    target = ImageStore(tmp_path / "dst")
+    assert registry.pull(target, f"{reg.host}/multi/app:all")["digest"] == pushed["digest"]
+    with pytest.raises(ImageError, match="no linux/s390x variant"):
+        registry.pull(target, f"{reg.host}/multi/app:all", platform=("linux", "s390x"))
+
+
+def test_corrupt_blob_in_the_registry_is_refused(reg: Registry, source: ImageStore, tmp_path: Path) -> None:
+    registry.push(source, "app", f"{reg.host}/bad/app:v1")
+    blob = source.layer_info(sha(LAYERS[0])).blob
+    data = bytearray(reg.blob_file(blob).read_bytes())
+    data[10] ^= 0xFF
+    reg.blob_file(blob).write_bytes(bytes(data))
+    target = ImageStore(tmp_path / "dst")
+    with pytest.raises(ImageError, match="digest mismatch"):
+        registry.pull(target, f"{reg.host}/bad/app:v1")
+    assert target.present() == [] and not target.has_layer(sha(LAYERS[0]))
+
+
+def test_registry_going_away_mid_pull_then_resume(reg: Registry, source: ImageStore, tmp_path: Path) -> None:
+    ref = f"{reg.host}/flaky/app:v1"
+    registry.push(source, "app", ref)
+    big_blob = source.layer_info(sha(LAYERS[2])).blob
+    target = ImageStore(tmp_path / "dst")
+    seen: list[int] = []
+
+    def kill_midway(blob: str, done: int, total: int) -> None:
+        if blob == big_blob and 0 < done < total and not seen:
+            seen.append(done)
+            reg.stop()
+
+    with pytest.raises(ImageError, match="pull again to resume"):
+        registry.pull(target, ref, progress=kill_midway)
+    assert target.present() == [] and not target.has_layer(sha(LAYERS[2]))
+    partial = target.root / "partial" / big_blob.replace(":", "-")
+    kept = partial.stat().st_size
+    assert 0 < kept < len(LAYERS[2])
+    reg.start()
+    starts: list[int] = []
+    result = registry.pull(target, ref, progress=lambda b, d, t: starts.append(d) if b == big_blob else None)
+    assert starts and min(starts) > kept  # resumed from the kept bytes, not from zero
+    assert result["layers"][-1] == sha(LAYERS[2]) and not partial.exists()
+
+
+def test_pull_through_the_node_streams_progress_and_shares_concurrent_pulls(
+    reg: Registry, source: ImageStore, node, tmp_path: Path  # noqa: ANN001
+) -> None:
+    ref = f"{reg.host}/node/app:{os.getpid()}-{time.monotonic_ns()}"
+    registry.push(source, "app", ref)
+
+    async def both() -> list[dict]:
+        events: list[dict] = []
+        async with node.async_client() as c:
+            return await asyncio.gather(
+                c.image_pull(ref, on_progress=events.append), c.image_pull(ref, on_progress=events.append)
+            ), events
+
+    (first, second), events = asyncio.run(both())
+    assert first == second and first["fetched"] >= 1  # one download served both callers (the big layer is new)
+    assert events and events[-1]["done"] == events[-1]["total"]
+    with node.client() as c:
+        with c.create("container", image="busybox", layers=[ref], pool=False) as sb:
+            assert sb.exec("cat /etc/b; test -e /etc/gone").stdout == "b"
+            assert sb.exec("test -e /etc/gone").exit_code == 1
+        pushed = c.image_push(ref, f"{reg.host}/node/again:v1")
+        assert pushed["uploaded"] + pushed["skipped"] == 3
+        assert c.image_pull(f"{reg.host}/node/again:v1")["layers"] == first["layers"]
