@@ -3,7 +3,8 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := crun runc runsc bubblewrap mmdebstrap busybox-static erofs-utils iproute2 nftables \
-	qemu-system-x86 qemu-utils gcc libc6-dev make psmisc procps file util-linux
+	qemu-system-x86 qemu-utils gcc libc6-dev make psmisc procps file util-linux \
+	skopeo umoci docker-registry
 PYTHON ?= python3
 
 .PHONY: setup demo test bench lint clean-state apt venv agent images
@@ -39,6 +40,7 @@ test: setup
 
 bench: setup
 	$(PY) bench/bench_container.py
+	$(PY) bench/bench_images.py
 
 lint: venv
 	$(VENV)/bin/ruff check src tests bench examples

@@ -60,7 +60,9 @@ def _mounted(store: ImageStore, name: str, where: Path) -> Iterator[Path]:
     lowers = [mounts.acquire(i, d) for i, d in zip(image.layer_ids, image.layers, strict=True)]
     for sub in ("upper", "work", "root"):
         (where / sub).mkdir(parents=True)
-    options = f"lowerdir={':'.join(str(p) for p in reversed(lowers))},upperdir={where / 'upper'},workdir={where / 'work'}"
+    options = (
+        f"lowerdir={':'.join(str(p) for p in reversed(lowers))},upperdir={where / 'upper'},workdir={where / 'work'}"
+    )
     linux.mount("overlay", str(where / "root"), "overlay", 0, options)
     try:
         yield where / "root"
@@ -121,7 +123,13 @@ def test_skopeo_made_docker_archive_and_export_round_trip(store: ImageStore, tmp
     write_oci_layout(tmp_path / "oci", layers, ref="v2")
     archive = tmp_path / "skopeo.tar"
     subprocess.run(
-        ["skopeo", "copy", "-q", "oci:" + str(tmp_path / "oci") + ":v2", f"docker-archive:{archive}:localhost:5000/made/by:skopeo"],
+        [
+            "skopeo",
+            "copy",
+            "-q",
+            "oci:" + str(tmp_path / "oci") + ":v2",
+            f"docker-archive:{archive}:localhost:5000/made/by:skopeo",
+        ],
         check=True,
         capture_output=True,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,23 @@ import shoal
 from shoal.images import erofs
 
 
+_MADE: list[str] = []
+
+
 def _unique(prefix: str) -> str:
-    return f"{prefix}-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+    name = f"{prefix}-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+    _MADE.extend([name, name + "-b"])
+    return name
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _remove_test_images(client: shoal.Client) -> Iterator[None]:
+    """The test store is shared by sessions: remove what these tests registered."""
+    yield
+    present = set(client.images())
+    for name in _MADE:
+        if name in present:
+            client.image_rm(name)
 
 
 def test_composition_stacks_images_without_repacking(client: shoal.Client, tmp_path: Path) -> None:

@@ -14,14 +14,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import NodeProcess
 from ocitools import Entry, layer_tar, sha, write_oci_layout
 
-import shoal
 from shoal.errors import ImageError, ImageNotFoundError
 from shoal.images import ImageStore, layout, registry
 
 REGISTRY = shutil.which("docker-registry")
-pytestmark = pytest.mark.skipif(REGISTRY is None, reason="docker-registry is not installed (apt-get install docker-registry)")
+pytestmark = pytest.mark.skipif(
+    REGISTRY is None, reason="docker-registry is not installed (apt-get install docker-registry)"
+)
 
 
 class Registry:
@@ -114,7 +116,12 @@ def test_index_platform_selection(reg: Registry, source: ImageStore, tmp_path: P
         "schemaVersion": 2,
         "mediaType": layout.INDEX,
         "manifests": [
-            {"mediaType": layout.MANIFEST, "digest": digest, "size": len(raw), "platform": {"os": "linux", "architecture": arch}}
+            {
+                "mediaType": layout.MANIFEST,
+                "digest": digest,
+                "size": len(raw),
+                "platform": {"os": "linux", "architecture": arch},
+            }
             for arch in ("arm64", layout.host_platform()[1])
         ],
     }
@@ -164,7 +171,9 @@ def test_registry_going_away_mid_pull_then_resume(reg: Registry, source: ImageSt
 
 
 def test_pull_through_the_node_streams_progress_and_shares_concurrent_pulls(
-    reg: Registry, source: ImageStore, node, tmp_path: Path  # noqa: ANN001
+    reg: Registry,
+    source: ImageStore,
+    node: NodeProcess,
 ) -> None:
     ref = f"{reg.host}/node/app:{os.getpid()}-{time.monotonic_ns()}"
     registry.push(source, "app", ref)
@@ -183,6 +192,11 @@ def test_pull_through_the_node_streams_progress_and_shares_concurrent_pulls(
         with c.create("container", image="busybox", layers=[ref], pool=False) as sb:
             assert sb.exec("cat /etc/b; test -e /etc/gone").stdout == "b"
             assert sb.exec("test -e /etc/gone").exit_code == 1
-        pushed = c.image_push(ref, f"{reg.host}/node/again:v1")
-        assert pushed["uploaded"] + pushed["skipped"] == 3
-        assert c.image_pull(f"{reg.host}/node/again:v1")["layers"] == first["layers"]
+        again = f"{reg.host}/node/again:v1"
+        try:
+            pushed = c.image_push(ref, again)
+            assert pushed["uploaded"] + pushed["skipped"] == 3
+            assert c.image_pull(again)["layers"] == first["layers"]
+        finally:
+            for name in {ref, again} & set(c.images()):
+                c.image_rm(name)

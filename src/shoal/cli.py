@@ -64,12 +64,57 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if healthy else 1
 
 
+def _progress_bar(event: dict) -> None:
+    done, total = event["done"], event["total"] or 1
+    width = 30
+    filled = int(width * min(done, total) / total)
+    bar = "#" * filled + "-" * (width - filled)
+    end = "\n" if done >= total else ""
+    print(
+        f"\r{event['blob'][7:19]} [{bar}] {done / 1e6:7.1f}/{total / 1e6:.1f} MB", end=end, file=sys.stderr, flush=True
+    )
+
+
 def cmd_image(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     with _client(args) as client:
-        if args.action == "build":
-            print(json.dumps(client.build_image(args.name, force=args.force)))
-        else:
-            print("\n".join(client.images()))
+        action, name = args.action, args.name
+        if action == "build":
+            dockerfile = Path(args.file) if args.file else Path(args.context or ".") / "Dockerfile"
+            if args.file or args.context:
+                recipe = shoal.ImageBuilder.from_dockerfile(dockerfile, args.context or dockerfile.parent)
+                report = client.build_image(name, recipe, no_cache=args.no_cache)
+                for step in report["steps"]:
+                    print(f"step {step['step']:>2} {step['op']:<10} {'cached' if step['cached'] else 'built'}")
+                print(f"{name}: {len(report['layers'])} layers")
+            else:
+                print(json.dumps(client.build_image(name or "debian", force=args.force)))
+        elif action == "ls":
+            for item in client.image_list():
+                print(f"{item['name']:<50} {item['layers']:>3} layers {item['size'] / 1e6:10.1f} MB")
+        elif action == "pull":
+            result = client.image_pull(
+                name, args.as_name, auth=args.auth, platform=args.platform, on_progress=_progress_bar
+            )
+            print(f"{result['name']}: {result['digest']} ({result['fetched']} fetched, {result['skipped']} present)")
+        elif action == "push":
+            result = client.image_push(name, args.target, auth=args.auth, on_progress=_progress_bar)
+            print(
+                f"{result['reference']}: {result['digest']} ({result['uploaded']} uploaded, {result['skipped']} there)"
+            )
+        elif action == "import":
+            print("\n".join(client.image_import(name, args.as_name)))
+        elif action == "export":
+            print(client.image_export(name, args.target))
+        elif action == "inspect":
+            print(json.dumps(client.image_inspect(name), indent=2))
+        elif action == "rm":
+            print(json.dumps(client.image_rm(name)))
+        elif action == "prune":
+            print(json.dumps(client.image_prune()))
+        elif action == "tag":
+            client.image_tag(name, args.target)
     return 0
 
 
@@ -98,9 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("node", help="run the node agent in the foreground").set_defaults(func=cmd_node)
     sub.add_parser("status", help="the node's figures").set_defaults(func=cmd_status)
     sub.add_parser("doctor", help="what this host can do, and remedies").set_defaults(func=cmd_doctor)
-    image = sub.add_parser("image", help="build or list images")
-    image.add_argument("action", choices=["build", "ls", "build-base"])
-    image.add_argument("name", nargs="?", default="debian")
+    image = sub.add_parser("image", help="images: ls pull push import export build inspect rm prune tag")
+    image.add_argument(
+        "action",
+        choices=["ls", "pull", "push", "import", "export", "build", "inspect", "rm", "prune", "tag", "build-base"],
+    )
+    image.add_argument("name", nargs="?", help="image name, registry reference (pull) or archive path (import)")
+    image.add_argument("target", nargs="?", help="push: registry reference; export: path; tag: new name")
+    image.add_argument("--as", dest="as_name", help="pull/import: store under this name")
+    image.add_argument("--auth", help="registry credentials user:password (or SHOAL_REGISTRY_AUTH)")
+    image.add_argument("--platform", help="pull: os/arch from an index (default: this host)")
+    image.add_argument("-f", "--file", help="build: the Dockerfile")
+    image.add_argument("--context", help="build: the directory COPY reads from (default: the Dockerfile's)")
+    image.add_argument("--no-cache", action="store_true")
     image.add_argument("--force", action="store_true")
     image.set_defaults(func=cmd_image)
     demo = sub.add_parser("demo", help="create a few hundred sandboxes concurrently and use them")

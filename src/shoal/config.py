@@ -18,7 +18,7 @@ class Paths:
     @classmethod
     def from_env(cls) -> Paths:
         home = Path(os.environ.get("SHOAL_HOME", "/var/lib/shoal"))
-        images = Path(os.environ.get("SHOAL_IMAGES", str(home / "images")))
+        images = Path(os.environ.get("SHOAL_IMAGES", str(home / "store")))
         return cls(home=home, images=images)
 
     @property

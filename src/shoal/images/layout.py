@@ -47,7 +47,7 @@ class _Source:
         if not path.exists():
             raise ImageError(f"no archive at {path}")
         try:
-            self.tar = tarfile.open(path, "r:*")
+            self.tar = tarfile.open(path, "r:*")  # noqa: SIM115 - closed by close()
             self.members = {m.name.removeprefix("./"): m for m in self.tar.getmembers() if m.isreg()}
         except (tarfile.TarError, EOFError) as exc:
             raise ImageError(f"{path} is not a readable tar archive ({exc}); export the image again") from exc

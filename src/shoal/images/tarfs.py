@@ -86,9 +86,9 @@ def unpack(stream: IO[bytes], dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     safe_dirs: set[str] = {""}
     try:
-        archive = tarfile.open(fileobj=stream, mode="r|", errorlevel=2)  # type: ignore[call-overload]
-        for member in archive:
-            _extract(archive, member, dest, safe_dirs)
+        with tarfile.open(fileobj=stream, mode="r|", errorlevel=2) as archive:  # type: ignore[call-overload]
+            for member in archive:
+                _extract(archive, member, dest, safe_dirs)
     except (tarfile.TarError, EOFError, zlib.error) as exc:
         raise ImageError(f"corrupt layer archive: {exc}; fetch or export the image again") from exc
 
