@@ -14,7 +14,6 @@ from ocitools import Entry, layer_tar, write_oci_layout
 import shoal
 from shoal.images import erofs
 
-
 _MADE: list[str] = []
 
 
@@ -109,6 +108,7 @@ def test_dockerfile_subset(client: shoal.Client, tmp_path: Path) -> None:
         "LABEL team=rl\n"
         "WORKDIR /srv\n"
         "COPY src/ /srv/src/\n"
+        "COPY --chown=1234:1234 src/app.sh /home/runner/\n"
         'RUN ["/bin/sh", "-c", "echo $GREETING $TARGET > out.txt"]\n'
         "RUN echo runner:x:1234:1234::/tmp:/bin/sh >> /etc/passwd\n"
         "USER runner\n"
@@ -118,12 +118,13 @@ def test_dockerfile_subset(client: shoal.Client, tmp_path: Path) -> None:
     )
     name = _unique("df")
     report = client.build_image(name, shoal.Image.from_dockerfile(tmp_path / "Dockerfile"))
-    assert sum(1 for s in report["steps"] if not s["cached"]) == 4  # COPY + three RUNs
+    assert sum(1 for s in report["steps"] if not s["cached"]) == 5  # two COPYs + three RUNs
     info = client.image_inspect(name)
     assert info["config"]["cmd"] == ["sh", "src/app.sh"] and info["config"]["labels"] == {"team": "rl"}
     assert info["config"]["user"] == "runner"
     with client.create("container", image=name, pool=False) as sb:
         assert sb.exec("cat out.txt; sh src/app.sh; cat /tmp/uid").stdout == "hello world\napp\n1234\n"
+        assert sb.exec("stat -c %u:%g /home/runner/app.sh").stdout == "1234:1234\n"
     bad = tmp_path / "Bad"
     bad.write_text("FROM busybox\nFROM busybox\n")
     with pytest.raises(shoal.InvalidRequestError, match="multi-stage"):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import shutil
 import socket
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -200,3 +202,96 @@ def test_pull_through_the_node_streams_progress_and_shares_concurrent_pulls(
         finally:
             for name in {ref, again} & set(c.images()):
                 c.image_rm(name)
+
+
+class TokenServer:
+    """A bearer-token service for the registry: checks Basic credentials, signs RS256 JWTs (openssl)."""
+
+    def __init__(self, root: Path, user: str, password: str) -> None:
+        import http.server
+        import threading
+
+        root.mkdir(parents=True, exist_ok=True)
+        self.key, self.cert = root / "key.pem", root / "cert.pem"
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(self.key), "-out",
+             str(self.cert), "-days", "1", "-subj", "/CN=shoal-test-token"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        der = subprocess.run(["openssl", "x509", "-in", str(self.cert), "-outform", "DER"], capture_output=True)
+        self.x5c = base64.b64encode(der.stdout).decode()
+        self.expected = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        self.issued = 0
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
+                if self.headers.get("Authorization") != server.expected:
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                body = json.dumps({"token": server.token(query.get("scope", [""])[0])}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def token(self, scope: str) -> str:
+        def b64(data: bytes) -> str:
+            return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+        kind, _, rest = scope.partition(":")
+        name, _, actions = rest.rpartition(":")
+        now = int(time.time())
+        header = {"typ": "JWT", "alg": "RS256", "x5c": [self.x5c]}
+        claims = {
+            "iss": "shoal-test-issuer",
+            "sub": "tester",
+            "aud": "shoal-test",
+            "iat": now - 10,
+            "nbf": now - 10,
+            "exp": now + 300,
+            "jti": os.urandom(8).hex(),
+            "access": [{"type": kind, "name": name, "actions": actions.split(",")}] if scope else [],
+        }
+        signing_input = f"{b64(json.dumps(header).encode())}.{b64(json.dumps(claims).encode())}"
+        signature = subprocess.run(
+            ["openssl", "dgst", "-sha256", "-sign", str(self.key)], input=signing_input.encode(), capture_output=True
+        ).stdout
+        self.issued += 1
+        return f"{signing_input}.{b64(signature)}"
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to sign test tokens")
+def test_token_auth(tmp_path: Path, source: ImageStore) -> None:
+    tokens = TokenServer(tmp_path / "tokens", "tester", "s3cret")
+    auth = (
+        f"auth:\n  token:\n    realm: http://127.0.0.1:{tokens.port}/token\n    service: shoal-test\n"
+        f"    issuer: shoal-test-issuer\n    rootcertbundle: {tokens.cert}\n"
+    )
+    server = Registry(tmp_path / "registry", auth).start()
+    try:
+        ref = f"{server.host}/secure/app:v1"
+        with pytest.raises(ImageError, match="denied|could not get a token"):
+            registry.push(source, "app", ref)
+        with pytest.raises(ImageError, match="could not get a token"):
+            registry.push(source, "app", ref, auth="tester:wrong")
+        assert registry.push(source, "app", ref, auth="tester:s3cret")["uploaded"] == 3
+        target = ImageStore(tmp_path / "dst")
+        assert registry.pull(target, ref, auth="tester:s3cret")["fetched"] == 3
+        assert tokens.issued >= 2
+    finally:
+        server.stop()
+        tokens.stop()

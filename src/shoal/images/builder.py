@@ -62,9 +62,13 @@ class ImageBuilder:
         names = " ".join(shlex.quote(p) for p in packages)
         return self.run(f"python3 -m pip install --no-cache-dir --break-system-packages {names}")
 
-    def copy(self, source: str | os.PathLike[str], dest: str, *, mode: int | None = None) -> ImageBuilder:
-        """Copy a local file or directory to `dest` in the image (read now, when the step is added)."""
-        return self._with({"op": "copy", "dest": dest, "tar": _tar_of(Path(source), dest, mode)})
+    def copy(
+        self, source: str | os.PathLike[str], dest: str, *, mode: int | None = None, owner: str | None = None
+    ) -> ImageBuilder:
+        """Copy a local file or directory to `dest` in the image (read now, when the step is added).
+
+        Files are owned by root unless `owner` gives a numeric `uid[:gid]`."""
+        return self._with({"op": "copy", "dest": dest, "tar": _tar_of(Path(source), dest, mode, _owner(owner))})
 
     def add(self, source: str | os.PathLike[str], dest: str) -> ImageBuilder:
         """Like `copy`, but a local tar archive is unpacked at `dest`."""
@@ -101,15 +105,24 @@ def _clean_dest(dest: str) -> str:
     return dest.strip("/")
 
 
-def _tar_of(source: Path, dest: str, mode: int | None) -> bytes:
-    """A layer tar of `source` placed at `dest` (a directory's contents go below `dest`), owned by root."""
+def _owner(owner: str | None) -> tuple[int, int]:
+    if owner is None:
+        return 0, 0
+    uid, _, gid = owner.partition(":")
+    if not uid.isdigit() or (gid and not gid.isdigit()):
+        raise InvalidRequestError(f"owner {owner!r}: give a numeric uid[:gid] (names need the image's passwd)")
+    return int(uid), int(gid or uid)
+
+
+def _tar_of(source: Path, dest: str, mode: int | None, owner: tuple[int, int] = (0, 0)) -> bytes:
+    """A layer tar of `source` placed at `dest` (a directory's contents go below `dest`), owned by `owner`."""
     if not source.exists():
         raise InvalidRequestError(f"copy source {source} does not exist")
     base = _clean_dest(dest)
     buffer = io.BytesIO()
 
     def owned_by_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
-        info.uid = info.gid = 0
+        info.uid, info.gid = owner
         info.uname = info.gname = ""
         if mode is not None and info.isreg():
             info.mode = mode

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import tarfile
 from pathlib import Path
 
 from shoal.errors import InvalidRequestError
@@ -90,6 +91,7 @@ def parse(text: str, context: Path) -> ImageBuilder:
             flags = [w for w in words if w.startswith("--")]
             if any(not f.startswith("--chown=") for f in flags):
                 raise InvalidRequestError(f"line {number}: {keyword} flags {flags} are not supported")
+            owner = flags[-1].partition("=")[2] if flags else None
             paths = [w for w in words if not w.startswith("--")]
             if len(paths) < 2:
                 raise InvalidRequestError(f"line {number}: {keyword} needs a source and a destination")
@@ -101,7 +103,10 @@ def parse(text: str, context: Path) -> ImageBuilder:
                 if len(sources) > 1 and not dest.endswith("/"):
                     dest += "/"
                 target = dest if not (local.is_file() and dest.endswith("/")) else dest + local.name
-                builder = builder.add(local, target) if keyword == "ADD" else builder.copy(local, target)
+                if keyword == "ADD" and local.is_file() and tarfile.is_tarfile(local):
+                    builder = builder.add(local, target)
+                else:
+                    builder = builder.copy(local, target, owner=owner)
         elif keyword == "ENV":
             builder = builder.env(_pairs(value, number, keyword))
         elif keyword == "LABEL":

@@ -100,9 +100,11 @@ def import_archive(store: ImageStore, path: Path, name: str | None = None) -> li
     source = _Source(path)
     try:
         if source.exists("index.json") and source.exists("oci-layout"):
-            return _import_oci(store, source, name)
+            with store.writing():
+                return _import_oci(store, source, name)
         if source.exists("manifest.json"):
-            return _import_docker(store, source, name)
+            with store.writing():
+                return _import_docker(store, source, name)
         raise ImageError(f"{path} is neither an OCI image layout (index.json, oci-layout) nor a `docker save` archive")
     finally:
         source.close()

@@ -263,6 +263,19 @@ def pull(
 ) -> dict[str, Any]:
     """Pull `reference` into the store as `name` (default: the reference); returns a summary."""
     ref = Reference.parse(reference)
+    with store.writing():
+        return _pull(store, ref, reference, name, auth, platform, progress)
+
+
+def _pull(
+    store: ImageStore,
+    ref: Reference,
+    reference: str,
+    name: str | None,
+    auth: str | None,
+    platform: tuple[str, str] | None,
+    progress: Progress | None,
+) -> dict[str, Any]:
     client = RegistryClient(ref, auth)
     manifest, digest, _ = client.manifest(ref.ref)
     if manifest.get("mediaType") in layout.INDEX_TYPES or "manifests" in manifest:

@@ -182,7 +182,7 @@ class ImageStore:
         """Build a builtin image into one layer (under a lock; concurrent callers wait)."""
         if name not in self._builtins:
             raise ImageNotFoundError(f"no builder for image {name!r}; builtins: {sorted(self._builtins)}")
-        with self._lock(f"build-{name}"):
+        with self._lock(f"build-{name}"), self.writing():
             if not force:
                 try:
                     return self.get(name)
@@ -363,9 +363,20 @@ class ImageStore:
         return self.prune(only=set(data["layers"]))
 
     def prune(self, only: set[str] | None = None) -> dict[str, Any]:
-        """Remove layers no image references and no sandbox (of any node) has mounted, and their blobs."""
+        """Remove layers no image references and no sandbox (of any node) has mounted, and their blobs.
+
+        A full prune first waits for imports, pulls and builds in progress (they hold `writing()`), whose
+        new layers no image references yet.
+        """
+        if only is None:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with open(self.root / ".gc.lock", "a") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                return self._prune(None)
+        return self._prune(only)
+
+    def _prune(self, only: set[str] | None) -> dict[str, Any]:
         referenced: set[str] = set()
-        configs: set[str] = set()
         for name in self.present():
             try:
                 data = self.record(name)
@@ -401,7 +412,6 @@ class ImageStore:
                 freed += self.blob_path(info.blob).stat().st_size
                 self.blob_path(info.blob).unlink(missing_ok=True)
         freed += self._remove_stale_staging()
-        del configs
         return {"removed_layers": removed, "in_use": kept_in_use, "freed_bytes": freed}
 
     def _remove_stale_staging(self) -> int:
@@ -414,6 +424,14 @@ class ImageStore:
                 freed += _du(entry)
                 shutil.rmtree(entry, ignore_errors=True)
         return freed
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold while adding layers that no image references yet: a full `prune` waits for it to end."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".gc.lock", "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_SH)
+            yield
 
     @contextmanager
     def _lock(self, name: str) -> Iterator[None]:

@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import io
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,16 @@ class NodeImages:
 
     def reconcile(self) -> list[str]:
         return unmount_stale(self.mount_root)
+
+    @contextlib.asynccontextmanager
+    async def _writing(self) -> AsyncIterator[None]:
+        """`store.writing()` without blocking the loop while a prune holds the store."""
+        hold = self.store.writing()
+        await asyncio.to_thread(hold.__enter__)
+        try:
+            yield
+        finally:
+            hold.__exit__(None, None, None)
 
     # ---------------------------------------------------------------- composition and mounts
 
@@ -95,13 +106,14 @@ class NodeImages:
         paused = sandbox.state.value == "paused"
         if not paused:
             await substrate.pause(sandbox.instance)  # a consistent view of the upper directory
-        try:
-            diff_id = await asyncio.to_thread(self.store.add_layer_dir, upper)
-        finally:
-            if not paused:
-                await substrate.resume(sandbox.instance)
-        layers = [*sandbox.image.layer_ids, diff_id]
-        await asyncio.to_thread(self.store.commit, name, layers, sandbox.image.config)
+        async with self._writing():
+            try:
+                diff_id = await asyncio.to_thread(self.store.add_layer_dir, upper)
+            finally:
+                if not paused:
+                    await substrate.resume(sandbox.instance)
+            layers = [*sandbox.image.layer_ids, diff_id]
+            await asyncio.to_thread(self.store.commit, name, layers, sandbox.image.config)
         return {"name": name, "layer": diff_id, "layers": layers, "size": self.store.layer_info(diff_id).size}
 
     # ---------------------------------------------------------------- builds
@@ -110,6 +122,12 @@ class NodeImages:
         self, service: NodeService, name: str, base: str, steps: list[dict[str, Any]], no_cache: bool = False
     ) -> dict[str, Any]:
         """Run build steps over `base`; each RUN or COPY becomes one layer, cached by (parent chain, step)."""
+        async with self._writing():
+            return await self._build(service, name, base, steps, no_cache)
+
+    async def _build(
+        self, service: NodeService, name: str, base: str, steps: list[dict[str, Any]], no_cache: bool
+    ) -> dict[str, Any]:
         image = await self._ensure(base) if base != "scratch" else Image("scratch", (), ImageConfig(), ())
         layers = list(image.layer_ids)
         config = image.config
