@@ -111,7 +111,7 @@ class LayerMounts:
             image = layer_dir / "fs.erofs"
             if not image.exists():
                 return _Held(path=layer_dir / "fs", refs=0, lock_fd=lock_fd, mounted=False)
-            target = self.mount_root / layer_id.replace(":", "-")
+            target = self.mount_root / layer_id.partition(":")[2][:24]  # short: overlay options fit one page
             target.mkdir(parents=True, exist_ok=True)
             if not linux.is_mountpoint(str(target)):
                 linux.mount(str(image), str(target), "erofs", linux.MS_RDONLY | linux.MS_NODEV, None)

@@ -142,7 +142,8 @@ def _import_oci(store: ImageStore, source: _Source, name: str | None) -> list[st
         raise ImageError(f"{source.path} holds {len(entries)} images; import it without a name to keep theirs")
     names = []
     for entry in entries:
-        ref = name or (entry.get("annotations") or {}).get(REF_NAME)
+        annotations = entry.get("annotations") or {}
+        ref = name or annotations.get("io.containerd.image.name") or annotations.get(REF_NAME)
         if not ref:
             raise ImageError(f"{source.path}: an image has no {REF_NAME} annotation; give a name to import it as")
         descriptor = _select(store, source, entry)
