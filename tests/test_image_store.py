@@ -73,7 +73,15 @@ def _mounted(store: ImageStore, name: str, where: Path) -> Iterator[Path]:
 
 
 def _our_mounts(prefix: Path) -> list[str]:
-    return [m for m in linux.mountpoints() if m.startswith(str(prefix))]
+    """Mounts below `prefix`, and loop devices backed by files below it (EROFS on tmpfs uses one)."""
+    loops = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        try:
+            if backing.read_text().strip().startswith(str(prefix)):
+                loops.append(backing.parent.parent.name)
+        except OSError:
+            pass
+    return [m for m in linux.mountpoints() if m.startswith(str(prefix))] + loops
 
 
 def _check_merged(root: Path) -> None:

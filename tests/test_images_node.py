@@ -187,3 +187,13 @@ def test_import_through_the_client_and_whiteouts_over_a_base(client: shoal.Clien
     assert out.stat().st_size > 0
     with pytest.raises(shoal.ImageError, match="neither an OCI image layout"):
         client.image_import(tmp_path / "oci" / "blobs")
+
+
+@pytest.mark.skipif(not erofs.supported(), reason="no EROFS on this host: layers are plain directories")
+def test_a_failed_create_releases_its_layer_mounts(client: shoal.Client, node: NodeProcess) -> None:
+    with pytest.raises(shoal.ShoalError):
+        client.create("container", image="busybox", runtime="no-such-runtime", pool=False)
+    assert layer_mounts(node.home) == []
+    with pytest.raises(shoal.ImageNotFoundError):
+        client.create("container", image="busybox", layers=["busybox", "missing-image"], pool=False)
+    assert layer_mounts(node.home) == []

@@ -114,7 +114,7 @@ class LayerMounts:
             target = self.mount_root / layer_id.partition(":")[2][:24]  # short: overlay options fit one page
             target.mkdir(parents=True, exist_ok=True)
             if not linux.is_mountpoint(str(target)):
-                linux.mount(str(image), str(target), "erofs", linux.MS_RDONLY | linux.MS_NODEV, None)
+                mount_image(image, target)
             return _Held(path=target, refs=0, lock_fd=lock_fd, mounted=True)
         except FileNotFoundError:
             os.close(lock_fd)
@@ -133,6 +133,22 @@ class LayerMounts:
                 held.path.rmdir()
         finally:
             os.close(held.lock_fd)
+
+
+def mount_image(image: Path, target: Path) -> None:
+    """Mount an EROFS image read-only: from the file itself, or through an auto-clearing loop device where
+    the file's filesystem cannot back a mount (tmpfs, for one)."""
+    try:
+        linux.mount(str(image), str(target), "erofs", linux.MS_RDONLY | linux.MS_NODEV, None)
+        return
+    except OSError as exc:
+        if exc.errno != errno.ENOTBLK:
+            raise ImageError(f"cannot mount layer image {image}: {exc}") from exc
+    result = subprocess.run(
+        ["mount", "-t", "erofs", "-o", "ro,nodev,loop", str(image), str(target)], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise ImageError(f"cannot mount layer image {image} (file or loop device): {result.stderr.strip()}")
 
 
 def unmount_quietly(path: Path) -> None:
