@@ -79,21 +79,35 @@ class NodeImages:
             return await asyncio.to_thread(self.store.ensure, name)
 
     async def acquire(self, image: Image) -> Image:
-        """The same image with `layers` as mounted overlay lowers; pair with `release`."""
-        held: list[str] = []
+        """The same image with `layers` as mounted overlay lowers; pair with `release`.
+
+        Mounting runs in a thread that a cancellation cannot stop, so a cancelled caller hands what the
+        thread acquired straight back."""
+        ids = image.layer_ids
+        task = asyncio.ensure_future(asyncio.to_thread(self._acquire_all, ids, image.layers))
         try:
-            paths = []
-            for diff_id, directory in zip(image.layer_ids, image.layers, strict=True):
-                paths.append(await asyncio.to_thread(self.mounts.acquire, diff_id, directory))
-                held.append(diff_id)
-        except BaseException:
-            await asyncio.shield(self.release(held))
+            paths = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: None if t.cancelled() or t.exception() else self._release_all(ids))
             raise
         return dataclasses.replace(image, layers=tuple(paths))
 
+    def _acquire_all(self, ids: tuple[str, ...], directories: tuple[Path, ...]) -> list[Path]:
+        paths: list[Path] = []
+        try:
+            for diff_id, directory in zip(ids, directories, strict=True):
+                paths.append(self.mounts.acquire(diff_id, directory))
+        except BaseException:
+            self._release_all(ids[: len(paths)])
+            raise
+        return paths
+
+    def _release_all(self, ids: tuple[str, ...] | list[str]) -> None:
+        for diff_id in ids:
+            self.mounts.release(diff_id)
+
     async def release(self, layer_ids: list[str] | tuple[str, ...]) -> None:
-        for diff_id in layer_ids:
-            await asyncio.to_thread(self.mounts.release, diff_id)
+        await asyncio.to_thread(self._release_all, layer_ids)
 
     # ---------------------------------------------------------------- snapshots
 
