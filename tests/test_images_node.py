@@ -197,3 +197,26 @@ def test_a_failed_create_releases_its_layer_mounts(client: shoal.Client, node: N
     with pytest.raises(shoal.ImageNotFoundError):
         client.create("container", image="busybox", layers=["busybox", "missing-image"], pool=False)
     assert layer_mounts(node.home) == []
+
+
+def test_cli_import_ls_inspect_rm(node: NodeProcess, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    write_oci_layout(tmp_path / "oci", [layer_tar([Entry("hello", data=b"hi")])], ref="cli")
+    name = _unique("cli")
+
+    def shoal_cli(*args: str) -> str:
+        env = dict(os.environ, SHOAL_IMAGES=str(node.paths.images))
+        done = subprocess.run(
+            [sys.executable, "-m", "shoal.cli", "--home", str(node.home), "image", *args],
+            capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert shoal_cli("import", str(tmp_path / "oci"), "--as", name).split() == [name]
+    assert any(line.split()[0] == name for line in shoal_cli("ls").splitlines())
+    assert '"media_type"' in shoal_cli("inspect", name)
+    assert "removed_layers" in shoal_cli("rm", name)
+    assert name not in shoal_cli("ls")

@@ -60,7 +60,7 @@ class ImageBuilder:
 
     def pip_install(self, *packages: str) -> ImageBuilder:
         names = " ".join(shlex.quote(p) for p in packages)
-        return self.run(f"python3 -m pip install --no-cache-dir --break-system-packages {names}")
+        return self.run(f"PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install --no-cache-dir {names}")
 
     def copy(
         self, source: str | os.PathLike[str], dest: str, *, mode: int | None = None, owner: str | None = None
