@@ -86,7 +86,7 @@ def unpack(stream: IO[bytes], dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     safe_dirs: set[str] = {""}
     try:
-        with tarfile.open(fileobj=stream, mode="r|", errorlevel=2) as archive:  # type: ignore[call-overload]
+        with tarfile.open(fileobj=stream, mode="r|", errorlevel=2, bufsize=_CHUNK) as archive:  # type: ignore[call-overload]
             for member in archive:
                 _extract(archive, member, dest, safe_dirs)
     except (tarfile.TarError, EOFError, zlib.error) as exc:
