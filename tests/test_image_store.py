@@ -158,6 +158,19 @@ def test_skopeo_made_docker_archive_and_export_round_trip(store: ImageStore, tmp
     assert other.get("again").layer_ids == store.get("localhost:5000/made/by:skopeo").layer_ids
 
 
+def test_zstd_layers(store: ImageStore) -> None:
+    import io
+
+    import zstandard
+
+    tar = layer_tar([Entry("z", data=b"zstd" * 1000)])
+    blob = zstandard.ZstdCompressor().compress(tar)
+    diff_id = store.add_layer_tar(io.BytesIO(blob), "application/vnd.oci.image.layer.v1.tar+zstd", expect=sha(blob))
+    assert diff_id == sha(tar)
+    with pytest.raises(ImageError, match="corrupt layer archive"):
+        store.add_layer_tar(io.BytesIO(blob[: len(blob) // 2]), "application/vnd.oci.image.layer.v1.tar+zstd")
+
+
 def test_digest_mismatch_is_refused_and_leaves_nothing(store: ImageStore, tmp_path: Path) -> None:
     info = write_oci_layout(tmp_path / "oci", [layer_tar(BASE)], ref="bad")
     blob = tmp_path / "oci" / "blobs" / "sha256" / info["layers"][0][7:]

@@ -24,6 +24,13 @@ OPAQUE_MARKER = ".wh..wh..opq"
 OPAQUE_XATTR = "trusted.overlay.opaque"
 _CHUNK = 1 << 20
 
+try:
+    from zstandard import ZstdError as _ZstdError
+except ImportError:  # zstd layers are then refused with a remedy
+
+    class _ZstdError(Exception):  # type: ignore[no-redef]
+        pass
+
 
 class HashingReader:
     """A read-only stream that hashes what passes through it (and counts the bytes)."""
@@ -60,7 +67,8 @@ class GunzipReader:
         while n < 0 or len(self._buf) < n:
             chunk = self.raw.read(_CHUNK)
             if not chunk:
-                self._buf += self._z.flush()
+                if not self._z.eof:
+                    raise ImageError("corrupt layer archive: the gzip stream is truncated; fetch the image again")
                 break
             self._buf += self._z.decompress(chunk)
             while self._z.eof and self._z.unused_data:  # concatenated gzip members
@@ -76,8 +84,12 @@ class GunzipReader:
 
 def plain_stream(raw: IO[bytes], media_type: str) -> IO[bytes]:
     """The uncompressed tar stream of a layer blob of `media_type` (gzip is also sniffed)."""
-    if media_type.endswith("zstd"):
-        raise ImageError(f"layer media type {media_type} (zstd) is not supported yet: re-push the image with gzip")
+    if "zstd" in media_type:
+        try:
+            import zstandard
+        except ImportError:
+            raise ImageError(f"layer media type {media_type} needs `pip install zstandard`") from None
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_size=_CHUNK)  # type: ignore[return-value]
     return GunzipReader(raw) if "gzip" in media_type else raw  # type: ignore[return-value]
 
 
@@ -89,7 +101,7 @@ def unpack(stream: IO[bytes], dest: Path) -> None:
         with tarfile.open(fileobj=stream, mode="r|", errorlevel=2, bufsize=_CHUNK) as archive:  # type: ignore[call-overload]
             for member in archive:
                 _extract(archive, member, dest, safe_dirs)
-    except (tarfile.TarError, EOFError, zlib.error) as exc:
+    except (tarfile.TarError, EOFError, zlib.error, _ZstdError) as exc:
         raise ImageError(f"corrupt layer archive: {exc}; fetch or export the image again") from exc
 
 
