@@ -412,6 +412,13 @@ class ImageStore:
                 freed += self.blob_path(info.blob).stat().st_size
                 self.blob_path(info.blob).unlink(missing_ok=True)
         freed += self._remove_stale_staging()
+        if only is None and self.cache_dir.is_dir():  # build cache entries whose layer is gone
+            for entry in self.cache_dir.iterdir():
+                try:
+                    if not self.has_layer(entry.read_text().strip()):
+                        entry.unlink()
+                except (OSError, ImageError):
+                    entry.unlink(missing_ok=True)
         return {"removed_layers": removed, "in_use": kept_in_use, "freed_bytes": freed}
 
     def _remove_stale_staging(self) -> int:
