@@ -52,9 +52,10 @@ def base_layer(store: ImageStore) -> str:
         return store.add_layer_dir(staging / "fs", disposable=True)
 
 
-def used_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
+def du(path: Path) -> int:
+    """Bytes of disk used below `path`, not crossing mount points."""
+    done = subprocess.run(["du", "-sxB1", str(path)], capture_output=True, text=True)
+    return int(done.stdout.split()[0]) if done.stdout else 0
 
 
 def create_latency(client: shoal.Client, image: str, runs: int, **options: object) -> list[float]:
@@ -129,17 +130,17 @@ def main() -> int:
             # (b) disk for many sandboxes of one image
             print(f"\n(b) disk used by {many} sandboxes of one {many_size // MB} MB image, each writing 1 MB")
             store.commit("bench-many", [base, fill_layer(store, many_size, "many")], config)
-            os.sync()
-            before = used_bytes(images)
+            store_before = du(images)
             sandboxes = client.create_many(many, image="bench-many", pool=False, concurrency=8)
             live = [s for s in sandboxes if not isinstance(s, Exception)]
             for sb in live:
                 sb.exec("head -c 1048576 /dev/urandom > /root/w")
-            os.sync()
-            delta = used_bytes(images) - before
-            print(f"  {len(live)} sandboxes: disk grew {delta / MB:.1f} MB; image {many_size / MB:.0f} MB;")
-            print(f"  writes {len(live)} MB; untarred copies would need {len(live) * many_size / MB / 1024:.1f} GB")
-            out["many_disk_MB"] = delta / MB
+            per_sandbox = du(home / "sandboxes")  # upper dirs and state; -x: not the mounted root filesystems
+            store_growth = du(images) - store_before
+            print(f"  store: {du(images) / MB:.0f} MB in all (grew {store_growth / MB:.1f} MB while they ran)")
+            print(f"  {len(live)} sandboxes: {per_sandbox / MB:.1f} MB of private state for {len(live)} MB written")
+            print(f"  (one untarred copy per sandbox would need {len(live) * many_size / MB / 1024:.1f} GB)")
+            out["many_private_MB"] = per_sandbox / MB
             for sb in live:
                 sb.close()
 
