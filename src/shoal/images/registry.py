@@ -182,9 +182,10 @@ class RegistryClient:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one downloader per blob across nodes sharing the store
             if store.has_blob(digest):
                 return
+            actual = ""
             for attempt in range(_RETRIES):
                 try:
-                    self._download(partial, digest, size, progress)
+                    actual = self._download(partial, digest, size, progress)
                     break
                 except (OSError, http.client.HTTPException, ImageError) as exc:
                     if isinstance(exc, ImageError) and "mismatch" in str(exc):
@@ -197,32 +198,38 @@ class RegistryClient:
                             f"{kept} bytes are kept: pull again to resume"
                         ) from exc
                     time.sleep(0.2 * (attempt + 1))
-            sha = hashlib.sha256()
-            with open(partial, "rb") as handle:
-                while chunk := handle.read(_CHUNK):
-                    sha.update(chunk)
-            if "sha256:" + sha.hexdigest() != digest:
+            if actual != digest:
                 partial.unlink(missing_ok=True)
                 raise ImageError(f"blob {digest} of {self.ref}: digest mismatch after download; pull again")
             store.adopt_blob(partial, digest)
 
-    def _download(self, partial: Path, digest: str, size: int | None, progress: Progress | None) -> None:
-        have = partial.stat().st_size if partial.exists() else 0
+    def _download(self, partial: Path, digest: str, size: int | None, progress: Progress | None) -> str:
+        """Fetch the rest of a blob into `partial`; returns the digest of the whole file."""
+        sha = hashlib.sha256()
+        have = 0
+        if partial.exists():
+            with open(partial, "rb") as kept:
+                while chunk := kept.read(_CHUNK):
+                    sha.update(chunk)
+                    have += len(chunk)
         if size is not None and have == size:
-            return
+            return "sha256:" + sha.hexdigest()
         headers = {"Range": f"bytes={have}-"} if have else {}
         with self.request("GET", f"blobs/{digest}", headers=headers, ok=(200, 206)) as response:
-            if response.status == 200:
-                have = 0  # the registry ignored the range: start over
+            if response.status == 200 and have:
+                have, sha = 0, hashlib.sha256()  # the registry ignored the range: start over
             with open(partial, "r+b" if have else "wb") as out:
                 out.seek(have)
+                out.truncate()
                 while chunk := response.read(_CHUNK):
                     out.write(chunk)
+                    sha.update(chunk)
                     have += len(chunk)
                     if progress:
                         progress(digest, have, size or 0)
         if size is not None and have != size:
             raise ImageError(f"blob {digest[:19]}: connection closed after {have} of {size} bytes")
+        return "sha256:" + sha.hexdigest()
 
     # ---------------------------------------------------------------- writes
 
