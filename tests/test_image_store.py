@@ -284,3 +284,27 @@ def test_full_disk_is_a_clear_error_and_the_store_stays_consistent(tmp_path: Pat
         assert list(store.tmp_dir.iterdir()) == []
     finally:
         linux.umount(str(small))
+
+
+def test_oci_layout_with_a_multi_platform_index(store: ImageStore, tmp_path: Path) -> None:
+    import json
+
+    root = tmp_path / "oci"
+    ours = layer_tar([Entry("arch", data=layout.host_platform()[1].encode())])
+    write_oci_layout(root, [ours], ref="multi")
+    index = json.loads((root / "index.json").read_text())
+    native = index["manifests"][0]
+    native["platform"] = {"os": "linux", "architecture": layout.host_platform()[1]}
+    foreign = dict(native, digest=sha(b"elsewhere"), platform={"os": "linux", "architecture": "riscv64"})
+    inner = json.dumps({"schemaVersion": 2, "mediaType": layout.INDEX, "manifests": [foreign, native]}).encode()
+    (root / "blobs" / "sha256" / sha(inner)[7:]).write_bytes(inner)
+    outer = {"mediaType": layout.INDEX, "digest": sha(inner), "size": len(inner), "annotations": native["annotations"]}
+    (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [outer]}))
+    assert layout.import_archive(store, root) == ["multi"]
+    assert list(store.get("multi").layer_ids) == [sha(ours)]
+    inner_only = json.dumps({"schemaVersion": 2, "mediaType": layout.INDEX, "manifests": [foreign]}).encode()
+    (root / "blobs" / "sha256" / sha(inner_only)[7:]).write_bytes(inner_only)
+    outer.update(digest=sha(inner_only), size=len(inner_only))
+    (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [outer]}))
+    with pytest.raises(ImageError, match="no linux/.* variant .*riscv64"):
+        layout.import_archive(store, root, "foreign")

@@ -220,3 +220,21 @@ def test_cli_import_ls_inspect_rm(node: NodeProcess, tmp_path: Path) -> None:
     assert '"media_type"' in shoal_cli("inspect", name)
     assert "removed_layers" in shoal_cli("rm", name)
     assert name not in shoal_cli("ls")
+
+
+def test_a_second_node_sharing_the_store_cannot_remove_a_layer_in_use(
+    client: shoal.Client, node: NodeProcess, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    (tmp_path / "f").write_text("shared")
+    name = _unique("shared")
+    layer = client.build_image(name, shoal.Image.from_("busybox").copy(tmp_path / "f", "/f"))["layers"][-1]
+    other = NodeProcess(tmp_path_factory.mktemp("other-home"), f"shoal-test-other-{os.getpid()}").start()
+    try:
+        with client.create("container", image=name, pool=False) as sb, other.client() as second:
+            result = second.image_rm(name)  # through the other node: it sees the first node's lock
+            assert layer in result["in_use"]
+            assert sb.exec("cat /f").stdout == "shared"
+        with other.client() as second:
+            assert layer in second.image_prune()["removed_layers"]
+    finally:
+        other.stop()

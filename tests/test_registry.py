@@ -172,6 +172,17 @@ def test_registry_going_away_mid_pull_then_resume(reg: Registry, source: ImageSt
     assert result["layers"][-1] == sha(LAYERS[2]) and not partial.exists()
 
 
+def test_prune_drops_abandoned_partial_downloads(reg: Registry, source: ImageStore, tmp_path: Path) -> None:
+    ref = f"{reg.host}/abandoned/app:v1"
+    registry.push(source, "app", ref)
+    target = ImageStore(tmp_path / "dst")
+    with pytest.raises(ImageError, match="pull again to resume"):
+        registry.pull(target, ref, progress=lambda b, d, t: reg.stop() if 0 < d < t else None)
+    assert any((target.root / "partial").iterdir())
+    assert target.prune()["freed_bytes"] > 0
+    assert list((target.root / "partial").iterdir()) == []
+
+
 def test_pull_through_the_node_streams_progress_and_shares_concurrent_pulls(
     reg: Registry,
     source: ImageStore,

@@ -412,6 +412,8 @@ class ImageStore:
                 freed += self.blob_path(info.blob).stat().st_size
                 self.blob_path(info.blob).unlink(missing_ok=True)
         freed += self._remove_stale_staging()
+        if only is None:
+            freed += self._remove_partial_downloads()
         if only is None and self.cache_dir.is_dir():  # build cache entries whose layer is gone
             for entry in self.cache_dir.iterdir():
                 try:
@@ -420,6 +422,23 @@ class ImageStore:
                 except (OSError, ImageError):
                     entry.unlink(missing_ok=True)
         return {"removed_layers": removed, "in_use": kept_in_use, "freed_bytes": freed}
+
+    def _remove_partial_downloads(self) -> int:
+        """Interrupted downloads nobody is resuming right now (their lock is free)."""
+        freed = 0
+        partial_dir = self.root / "partial"
+        for lock_path in partial_dir.glob("*.lock") if partial_dir.is_dir() else []:
+            with open(lock_path, "a") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                data = lock_path.with_suffix("")
+                if data.exists():
+                    freed += data.stat().st_size
+                    data.unlink()
+                lock_path.unlink()
+        return freed
 
     def _remove_stale_staging(self) -> int:
         freed = 0
