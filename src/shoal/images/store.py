@@ -310,15 +310,33 @@ class ImageStore:
                     tarfs.unpack(raw, staging / "fs")
             return self._commit_layer(staging, LayerInfo(digest, digest, LAYER_TAR, size, ""))
 
+    def add_layer_image(self, staging: Path) -> str:
+        """Commit `staging/fs.erofs` (made by `erofs.mkfs` from an overlay upper dir) as a layer; its tar
+        blob is packed from the mounted image, so the two always hold the same content."""
+        mountpoint = staging / "mnt"
+        mountpoint.mkdir()
+        erofs.mount_image(staging / "fs.erofs", mountpoint)
+        try:
+            with _disk_errors("packing a layer"), open(staging / "layer.tar", "wb") as out:
+                hashing = _HashingWriter(out)
+                tarfs.pack(mountpoint, hashing)  # type: ignore[arg-type]
+        finally:
+            erofs.unmount_quietly(mountpoint)
+        digest = hashing.digest
+        if self.has_layer(digest):
+            return digest
+        size = (staging / "layer.tar").stat().st_size
+        self.adopt_blob(staging / "layer.tar", digest)
+        return self._commit_layer(staging, LayerInfo(digest, digest, LAYER_TAR, size, ""))
+
     def _commit_layer(self, staging: Path, info: LayerInfo) -> str:
         final = self.layer_dir(info.diff_id)
         if (final / "layer.json").exists():
             return info.diff_id
-        fmt = "dir"
-        if erofs.supported():
+        if (staging / "fs").exists() and erofs.supported():
             erofs.mkfs(staging / "fs", staging / "fs.erofs")
             shutil.rmtree(staging / "fs")
-            fmt = "erofs"
+        fmt = "erofs" if (staging / "fs.erofs").exists() else "dir"
         layer = staging / "layer"
         layer.mkdir()
         for part in ("fs", "fs.erofs"):

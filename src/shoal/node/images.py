@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shoal.errors import ImageError, InvalidRequestError, UnsupportedKindError
-from shoal.images import Image, ImageConfig, ImageStore, layout, registry
+from shoal.images import Image, ImageConfig, ImageStore, erofs, layout, registry
 from shoal.images.erofs import LayerMounts, unmount_stale
 from shoal.protocol import SandboxSpec
 
@@ -113,22 +113,32 @@ class NodeImages:
 
     async def snapshot(self, service: NodeService, sandbox: Sandbox, name: str) -> dict[str, Any]:
         """Commit the sandbox's writes (deletions included) as one layer over its image; register `name`."""
+        async with self._writing():
+            diff_id = await self.snapshot_layer(service, sandbox)
+            layers = [*sandbox.image.layer_ids, diff_id]
+            await asyncio.to_thread(self.store.commit, name, layers, sandbox.image.config)
+        return {"name": name, "layer": diff_id, "layers": layers, "size": self.store.layer_info(diff_id).size}
+
+    async def snapshot_layer(self, service: NodeService, sandbox: Sandbox) -> str:
+        """The sandbox's upper directory as a committed layer. The sandbox is frozen while it is read:
+        with EROFS only for mkfs.erofs (the tar blob is then packed from the new image), else for the tar."""
         if sandbox.spec.kind != "container":
             raise UnsupportedKindError(f"snapshots of {sandbox.spec.kind} sandboxes are not supported yet")
         substrate = service.substrates[sandbox.spec.kind]
         upper = sandbox.instance.directory / "upper"
-        paused = sandbox.state.value == "paused"
-        if not paused:
-            await substrate.pause(sandbox.instance)  # a consistent view of the upper directory
-        async with self._writing():
+        frozen = sandbox.state.value == "paused"
+        with self.store.staging() as staging:
+            if not frozen:
+                await substrate.pause(sandbox.instance)  # a consistent view of the upper directory
             try:
-                diff_id = await asyncio.to_thread(self.store.add_layer_dir, upper)
+                if erofs.supported():
+                    await asyncio.to_thread(erofs.mkfs, upper, staging / "fs.erofs")
+                else:
+                    return await asyncio.to_thread(self.store.add_layer_dir, upper)
             finally:
-                if not paused:
+                if not frozen:
                     await substrate.resume(sandbox.instance)
-            layers = [*sandbox.image.layer_ids, diff_id]
-            await asyncio.to_thread(self.store.commit, name, layers, sandbox.image.config)
-        return {"name": name, "layer": diff_id, "layers": layers, "size": self.store.layer_info(diff_id).size}
+            return await asyncio.to_thread(self.store.add_layer_image, staging)
 
     # ---------------------------------------------------------------- builds
 
@@ -201,14 +211,6 @@ class NodeImages:
             return await self.snapshot_layer(service, sandbox)
         finally:
             await service.kill(sandbox.id, reason="build step done")
-
-    async def snapshot_layer(self, service: NodeService, sandbox: Sandbox) -> str:
-        substrate = service.substrates[sandbox.spec.kind]
-        await substrate.pause(sandbox.instance)
-        try:
-            return await asyncio.to_thread(self.store.add_layer_dir, sandbox.instance.directory / "upper")
-        finally:
-            await substrate.resume(sandbox.instance)
 
     # ---------------------------------------------------------------- store operations
 
