@@ -48,7 +48,14 @@ class NodeImages:
     async def _writing(self) -> AsyncIterator[None]:
         """`store.writing()` without blocking the loop while a prune holds the store."""
         hold = self.store.writing()
-        await asyncio.to_thread(hold.__enter__)
+        entering = asyncio.ensure_future(asyncio.to_thread(hold.__enter__))
+        try:
+            await asyncio.shield(entering)
+        except asyncio.CancelledError:  # the thread takes the lock anyway: give it back when it has
+            entering.add_done_callback(
+                lambda t: None if t.cancelled() or t.exception() else hold.__exit__(None, None, None)
+            )
+            raise
         try:
             yield
         finally:
