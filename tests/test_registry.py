@@ -80,7 +80,7 @@ def reg(tmp_path: Path) -> Iterator[Registry]:
 LAYERS = [
     layer_tar([Entry("etc", "dir", mode=0o755), Entry("etc/a", data=b"a" * 1000), Entry("etc/gone", data=b"x")]),
     layer_tar([Entry("etc", "dir", mode=0o755), Entry("etc/gone", "whiteout"), Entry("etc/b", data=b"b")]),
-    layer_tar([Entry("big", data=os.urandom(6 << 20))]),
+    layer_tar([Entry("big", data=os.urandom(32 << 20))]),  # more than loopback socket buffers hold
 ]
 
 
