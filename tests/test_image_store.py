@@ -112,6 +112,17 @@ def test_import_oci_layout_with_whiteouts_opaque_dirs_and_links(store: ImageStor
     assert _our_mounts(tmp_path) == []
 
 
+def test_squash_flattens_whiteouts_and_opaque_dirs(store: ImageStore, tmp_path: Path) -> None:
+    write_oci_layout(tmp_path / "oci", [layer_tar(BASE), layer_tar(MIDDLE), layer_tar(TOP)], ref="v1")
+    layout.import_archive(store, tmp_path / "oci", "three")
+    flat = store.squash("three", "flat")
+    assert len(flat.layer_ids) == 1 and flat.config == store.get("three").config
+    for root in _mounted(store, "flat", tmp_path / "m"):
+        _check_merged(root)
+        assert not any(stat.S_ISCHR(os.lstat(p).st_mode) for p in root.rglob("*"))  # no markers left
+    assert _our_mounts(tmp_path) == []
+
+
 def test_import_oci_tar_and_docker_archives(store: ImageStore, tmp_path: Path) -> None:
     layers = [layer_tar(BASE), layer_tar(MIDDLE), layer_tar(TOP)]
     write_oci_layout(tmp_path / "oci", layers, ref="latest", compress=False)
@@ -225,6 +236,8 @@ def test_pack_of_an_upper_dir_round_trips_whiteouts_and_opaque_dirs(tmp_path: Pa
     (upper / "data").mkdir()
     os.setxattr(upper / "data", "trusted.overlay.opaque", b"y")
     (upper / "data" / "only").write_text("1")
+    for path in [*upper.rglob("*"), upper]:  # times in the past: any time taken from "now" would show
+        os.utime(path, (1_600_000_000, 1_600_000_000), follow_symlinks=False)
     with open(tmp_path / "layer.tar", "wb") as out:
         tarfs.pack(upper, out)
     with tarfile.open(tmp_path / "layer.tar") as archive:

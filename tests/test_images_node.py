@@ -27,10 +27,8 @@ def _unique(prefix: str) -> str:
 def _remove_test_images(client: shoal.Client) -> Iterator[None]:
     """The test store is shared by sessions: remove what these tests registered."""
     yield
-    present = set(client.images())
-    for name in _MADE:
-        if name in present:
-            client.image_rm(name)
+    for name in set(_MADE) & set(client.images()):
+        client.image_rm(name)
 
 
 def test_composition_stacks_images_without_repacking(client: shoal.Client, tmp_path: Path) -> None:
@@ -238,3 +236,22 @@ def test_a_second_node_sharing_the_store_cannot_remove_a_layer_in_use(
             assert layer in second.image_prune()["removed_layers"]
     finally:
         other.stop()
+
+
+def test_too_many_layers_is_a_clear_error_and_squash_fixes_it(client: shoal.Client, node: NodeProcess) -> None:
+    import io
+
+    from shoal.images import ImageStore
+
+    store = ImageStore(node.paths.images)
+    base = list(client.image_inspect("busybox")["layers"])
+    tall = [store.add_layer_tar(io.BytesIO(layer_tar([Entry(f"l{i}", data=str(i).encode())]))) for i in range(80)]
+    name, flat = _unique("tall"), _unique("flat")
+    store.commit(name, [layer["diff_id"] for layer in base] + tall, store.get("busybox").config)
+    with pytest.raises(shoal.ImageError, match="squash"):
+        client.create("container", image=name, pool=False)
+    assert layer_mounts(node.home) == []
+    assert len(client.image_squash(name, flat)["layers"]) == 1
+    with client.create("container", image=flat, pool=False) as sb:
+        assert sb.exec("cat /l0 /l79").stdout == "079"
+        assert sb.exec("ls /bin/busybox").exit_code == 0

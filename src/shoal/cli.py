@@ -115,6 +115,8 @@ def cmd_image(args: argparse.Namespace) -> int:
             print(json.dumps(client.image_prune()))
         elif action == "tag":
             client.image_tag(name, args.target)
+        elif action == "squash":
+            print(json.dumps(client.image_squash(name, args.target)))
     return 0
 
 
@@ -146,10 +148,23 @@ def main(argv: list[str] | None = None) -> int:
     image = sub.add_parser("image", help="images: ls pull push import export build inspect rm prune tag")
     image.add_argument(
         "action",
-        choices=["ls", "pull", "push", "import", "export", "build", "inspect", "rm", "prune", "tag", "build-base"],
+        choices=[
+            "ls",
+            "pull",
+            "push",
+            "import",
+            "export",
+            "build",
+            "inspect",
+            "rm",
+            "prune",
+            "tag",
+            "squash",
+            "build-base",
+        ],
     )
     image.add_argument("name", nargs="?", help="image name, registry reference (pull) or archive path (import)")
-    image.add_argument("target", nargs="?", help="push: registry reference; export: path; tag: new name")
+    image.add_argument("target", nargs="?", help="push: registry reference; export: path; tag, squash: new name")
     image.add_argument("--as", dest="as_name", help="pull/import: store under this name")
     image.add_argument("--auth", help="registry credentials user:password (or SHOAL_REGISTRY_AUTH)")
     image.add_argument("--platform", help="pull: os/arch from an index (default: this host)")

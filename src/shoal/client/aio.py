@@ -168,6 +168,10 @@ class AsyncClient:
         """Remove layers and blobs no image references and no sandbox has mounted."""
         return await self.call("image_prune")
 
+    async def image_squash(self, name: str, target: str) -> dict[str, Any]:
+        """Flatten an image into one layer (deleted files gone for good), registered as `target`."""
+        return await self.call("image_squash", {"name": name, "target": target})
+
     async def image_tag(self, source: str, target: str) -> None:
         await self.call("image_tag", {"source": source, "target": target})
 

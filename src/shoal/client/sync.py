@@ -113,6 +113,9 @@ class Client:
     def image_prune(self) -> dict[str, Any]:
         return self._run(self._async.image_prune())
 
+    def image_squash(self, name: str, target: str) -> dict[str, Any]:
+        return self._run(self._async.image_squash(name, target))
+
     def image_tag(self, source: str, target: str) -> None:
         self._run(self._async.image_tag(source, target))
 

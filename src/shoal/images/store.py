@@ -151,7 +151,7 @@ class ImageStore:
             hint = (
                 f"build it with `shoal image build {name}`"
                 if name in self._builtins
-                else f"pull, import or build it first; images here: {', '.join(self.present()) or 'none'}"
+                else f"pull, import or build it first; images here: {_some(self.present())}"
             )
             raise ImageNotFoundError(f"image {name!r} is not in {self.root}: {hint}") from None
 
@@ -351,6 +351,21 @@ class ImageStore:
                 raise
         return info.diff_id
 
+    def squash(self, name: str, target: str) -> Image:
+        """Register `target` as image `name` flattened into one layer (same files, same config)."""
+        data = self.record(name)
+        with self.writing(), self.staging() as staging:
+            tree = staging / "tree"
+            for diff_id in data["layers"]:
+                info = self.layer_info(diff_id)
+                if not self.has_blob(info.blob):
+                    raise ImageError(f"layer {diff_id[:19]} has no stored archive; pull the image again to squash it")
+                with open(self.blob_path(info.blob), "rb") as raw, _disk_errors("squashing layers"):
+                    tarfs.unpack(tarfs.plain_stream(raw, info.media_type), tree, apply=True)
+            diff_id = self.add_layer_dir(tree, disposable=True)
+            self.commit(target, [diff_id], ImageConfig.from_dict(data["config"]), data.get("oci_config"))
+        return self.get(target)
+
     # ---------------------------------------------------------------- build cache
 
     def cache_get(self, key: str) -> str | None:
@@ -509,6 +524,14 @@ def _disk_errors(what: str) -> Iterator[None]:
                 f"disk full while {what}: free space under the image store (try `shoal image prune`)"
             ) from exc
         raise
+
+
+def _some(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "none"
+    return ", ".join(names[:limit]) + (
+        f" and {len(names) - limit} more (`shoal image ls`)" if len(names) > limit else ""
+    )
 
 
 def _du(path: Path) -> int:

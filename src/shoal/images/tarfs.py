@@ -93,14 +93,25 @@ def plain_stream(raw: IO[bytes], media_type: str) -> IO[bytes]:
     return GunzipReader(raw) if "gzip" in media_type else raw  # type: ignore[return-value]
 
 
-def unpack(stream: IO[bytes], dest: Path) -> None:
-    """Extract an OCI layer tar stream into `dest` in overlay form. Rejects entries that escape `dest`."""
+def unpack(stream: IO[bytes], dest: Path, *, apply: bool = False) -> None:
+    """Extract an OCI layer tar stream into `dest`. Rejects entries that escape `dest`.
+
+    By default `dest` gets the layer in overlay form (whiteouts kept as markers); with `apply` the layer is
+    applied over what `dest` already holds (whiteouts delete, opaque markers empty the directory), which
+    flattens a stack of layers into one tree.
+    """
     dest.mkdir(parents=True, exist_ok=True)
     safe_dirs: set[str] = {""}
+    created: set[str] | None = set() if apply else None
     try:
         with tarfile.open(fileobj=stream, mode="r|", errorlevel=2, bufsize=_CHUNK) as archive:  # type: ignore[call-overload]
+            dir_times: list[tuple[Path, int]] = []
             for member in archive:
-                _extract(archive, member, dest, safe_dirs)
+                _extract(archive, member, dest, safe_dirs, created)
+                if member.isdir():
+                    dir_times.append((dest / _clean(member.name), int(member.mtime)))
+        for path, mtime in reversed(dir_times):  # children changed them: set directory times last
+            os.utime(path, (mtime, mtime), follow_symlinks=False)
     except (tarfile.TarError, EOFError, zlib.error, _ZstdError) as exc:
         raise ImageError(f"corrupt layer archive: {exc}; fetch or export the image again") from exc
 
@@ -145,22 +156,34 @@ def _remove(path: Path) -> None:
         pass
 
 
-def _extract(archive: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, safe_dirs: set[str]) -> None:
+def _extract(
+    archive: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, safe_dirs: set[str], created: set[str] | None
+) -> None:
     rel = _clean(member.name)
     if not rel:  # the root itself: take its metadata
         _apply_meta(dest, member)
         return
     _parent_ok(dest, rel, safe_dirs)
     base = rel.rpartition("/")[2]
-    parent = dest / rel.rpartition("/")[0] if "/" in rel else dest
+    head = rel.rpartition("/")[0]
+    parent = dest / head if head else dest
     if base == OPAQUE_MARKER:
-        os.setxattr(parent, OPAQUE_XATTR, b"y")
+        if created is None:
+            os.setxattr(parent, OPAQUE_XATTR, b"y")
+        else:  # hide what lower layers put here, keep what this layer did
+            for child in os.listdir(parent):
+                if (f"{head}/{child}" if head else child) not in created:
+                    _remove(parent / child)
         return
     if base.startswith(WHITEOUT_PREFIX):
         target = parent / base[len(WHITEOUT_PREFIX) :]
         _remove(target)
-        os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+        if created is None:
+            os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+            os.utime(target, (member.mtime, member.mtime), follow_symlinks=False)
         return
+    if created is not None:
+        created.add(rel)
     path = dest / rel
     if member.isdir():
         if path.is_symlink() or (path.exists() and not path.is_dir()):

@@ -32,6 +32,7 @@ log = logging.getLogger("shoal.images")
 
 CONFIG_STEPS = ("env", "workdir", "user", "cmd", "entrypoint", "label", "shell")
 BUILD_STEP_TIMEOUT_S = 3600.0
+MAX_LOWERDIR_CHARS = 3500  # mount(2) options fit one page, shared with upperdir= and workdir=
 
 
 class NodeImages:
@@ -97,6 +98,12 @@ class NodeImages:
         except asyncio.CancelledError:
             task.add_done_callback(lambda t: None if t.cancelled() or t.exception() else self._release_all(ids))
             raise
+        if sum(len(str(p)) + 1 for p in paths) > MAX_LOWERDIR_CHARS:
+            await self.release(ids)
+            raise ImageError(
+                f"image {image.name!r} stacks {len(ids)} layers, more than one overlay mount takes here; "
+                "flatten it with `client.image_squash(name, new_name)` (`shoal image squash NAME NEW`)"
+            )
         return dataclasses.replace(image, layers=tuple(paths))
 
     def _acquire_all(self, ids: tuple[str, ...], directories: tuple[Path, ...]) -> list[Path]:
@@ -242,6 +249,10 @@ class NodeImages:
 
     async def remove(self, name: str) -> dict[str, Any]:
         return await asyncio.to_thread(self.store.remove, name)
+
+    async def squash(self, name: str, target: str) -> dict[str, Any]:
+        image = await asyncio.to_thread(self.store.squash, name, target)
+        return {"name": target, "layers": list(image.layer_ids)}
 
     async def prune(self) -> dict[str, Any]:
         return await asyncio.to_thread(self.store.prune)

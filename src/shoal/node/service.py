@@ -512,6 +512,10 @@ class NodeService:
     async def image_prune(self) -> dict[str, Any]:
         return await self.node_images.prune()
 
+    async def image_squash(self, name: str, target: str) -> dict[str, Any]:
+        """Flatten image `name` into one layer, registered as `target`."""
+        return await self.node_images.squash(name, target)
+
     async def image_tag(self, source: str, target: str) -> None:
         await asyncio.to_thread(self.images.tag, source, target)
 
