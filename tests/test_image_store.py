@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import shutil
 import stat
@@ -204,6 +205,18 @@ def test_diff_id_mismatch_and_corrupt_archives(store: ImageStore, tmp_path: Path
     truncated = gzip.compress(tar)[:200]
     with pytest.raises(ImageError, match="corrupt layer archive"):
         store.add_layer_tar(__import__("io").BytesIO(truncated), "application/vnd.oci.image.layer.v1.tar+gzip")
+    write_oci_layout(tmp_path / "bare", [tar])
+    manifest_digest = json.loads((tmp_path / "bare" / "index.json").read_text())["manifests"][0]["digest"]
+    blob = tmp_path / "bare" / "blobs" / "sha256" / manifest_digest[7:]
+    blob.write_text("{}")  # a manifest without a config: its digest no longer matches either
+    with pytest.raises(ImageError, match="digest mismatch"):
+        layout.import_archive(store, tmp_path / "bare", "x")
+    index = json.loads((tmp_path / "bare" / "index.json").read_text())
+    index["manifests"][0]["digest"] = sha(b"{}")
+    (tmp_path / "bare" / "blobs" / "sha256" / sha(b"{}")[7:]).write_text("{}")
+    (tmp_path / "bare" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ImageError, match="malformed image metadata"):
+        layout.import_archive(store, tmp_path / "bare", "x")
     (tmp_path / "junk.tar").write_bytes(b"not a tar at all" * 100)
     with pytest.raises(ImageError, match="not a readable tar|neither"):
         layout.import_archive(store, tmp_path / "junk.tar")

@@ -106,6 +106,8 @@ def import_archive(store: ImageStore, path: Path, name: str | None = None) -> li
             with store.writing():
                 return _import_docker(store, source, name)
         raise ImageError(f"{path} is neither an OCI image layout (index.json, oci-layout) nor a `docker save` archive")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ImageError(f"{path}: malformed image metadata (missing or bad field {exc}); export it again") from exc
     finally:
         source.close()
 

@@ -271,7 +271,13 @@ def pull(
     """Pull `reference` into the store as `name` (default: the reference); returns a summary."""
     ref = Reference.parse(reference)
     with store.writing():
-        return _pull(store, ref, reference, name, auth, platform, progress)
+        try:
+            return _pull(store, ref, reference, name, auth, platform, progress)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ImageError(
+                f"{reference}: unsupported or malformed manifest (missing or bad field {exc}); "
+                "only OCI and Docker schema 2 images can be pulled"
+            ) from exc
 
 
 def _pull(
