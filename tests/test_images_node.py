@@ -80,8 +80,10 @@ def test_builds_are_cached_by_step_and_parent(client: shoal.Client) -> None:
         .workdir("/app")
         .run("echo $GREETING > greeting")
     )
-    first = client.build_image(name, recipe)
+    seen: list[dict] = []
+    first = client.build_image(name, recipe, on_step=seen.append)
     assert [s["cached"] for s in first["steps"]] == [False, True, True, False]
+    assert seen == first["steps"]  # streamed as they completed
     again = client.build_image(name, recipe)
     assert all(s["cached"] for s in again["steps"]) and again["layers"] == first["layers"]
     changed = client.build_image(name + "-b", recipe.run("echo more > /more"))

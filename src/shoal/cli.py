@@ -84,9 +84,13 @@ def cmd_image(args: argparse.Namespace) -> int:
             dockerfile = Path(args.file) if args.file else Path(args.context or ".") / "Dockerfile"
             if args.file or args.context:
                 recipe = shoal.ImageBuilder.from_dockerfile(dockerfile, args.context or dockerfile.parent)
-                report = client.build_image(name, recipe, no_cache=args.no_cache)
-                for step in report["steps"]:
-                    print(f"step {step['step']:>2} {step['op']:<10} {'cached' if step['cached'] else 'built'}")
+
+                def show(step: dict) -> None:
+                    print(
+                        f"step {step['step']:>2} {step['op']:<10} {'cached' if step['cached'] else 'built'}", flush=True
+                    )
+
+                report = client.build_image(name, recipe, no_cache=args.no_cache, on_step=show)
                 print(f"{name}: {len(report['layers'])} layers")
             else:
                 print(json.dumps(client.build_image(name or "debian", force=args.force)))

@@ -141,13 +141,21 @@ class AsyncClient:
         return await self.call("status")
 
     async def build_image(
-        self, name: str, image: ImageBuilder | None = None, *, force: bool = False, no_cache: bool = False
+        self,
+        name: str,
+        image: ImageBuilder | None = None,
+        *,
+        force: bool = False,
+        no_cache: bool = False,
+        on_step: Callable[[dict[str, Any]], Any] | None = None,
     ) -> dict[str, Any]:
-        """Build `image` (an `ImageBuilder`) as `name`, or without one the builtin image `name`."""
+        """Build `image` (an `ImageBuilder`) as `name`, or without one the builtin image `name`.
+
+        `on_step({"step", "op", "cached", "layer"})` is called as each step completes."""
         if image is None:
             return await self.call("image_build", {"name": name, "force": force})
         args = {"name": name, "base": image.base, "steps": list(image.steps), "no_cache": no_cache or force}
-        return await self.call("image_build", args)
+        return await self.call("image_build", args, on_event=on_step)
 
     async def images(self) -> list[str]:
         """Names of the images the node can use (present, or builtin and built on first use)."""

@@ -93,10 +93,8 @@ class Client:
     def status(self) -> dict[str, Any]:
         return self._run(self._async.status())
 
-    def build_image(
-        self, name: str, image: ImageBuilder | None = None, *, force: bool = False, no_cache: bool = False
-    ) -> dict[str, Any]:
-        return self._run(self._async.build_image(name, image, force=force, no_cache=no_cache))
+    def build_image(self, name: str, image: ImageBuilder | None = None, **options: Any) -> dict[str, Any]:
+        return self._run(self._async.build_image(name, image, **options))
 
     def images(self) -> list[str]:
         return self._run(self._async.images())

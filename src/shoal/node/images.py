@@ -157,14 +157,26 @@ class NodeImages:
     # ---------------------------------------------------------------- builds
 
     async def build(
-        self, service: NodeService, name: str, base: str, steps: list[dict[str, Any]], no_cache: bool = False
+        self,
+        service: NodeService,
+        name: str,
+        base: str,
+        steps: list[dict[str, Any]],
+        no_cache: bool = False,
+        emit: Emit | None = None,
     ) -> dict[str, Any]:
         """Run build steps over `base`; each RUN or COPY becomes one layer, cached by (parent chain, step)."""
         async with self._writing():
-            return await self._build(service, name, base, steps, no_cache)
+            return await self._build(service, name, base, steps, no_cache, emit)
 
     async def _build(
-        self, service: NodeService, name: str, base: str, steps: list[dict[str, Any]], no_cache: bool
+        self,
+        service: NodeService,
+        name: str,
+        base: str,
+        steps: list[dict[str, Any]],
+        no_cache: bool,
+        emit: Emit | None,
     ) -> dict[str, Any]:
         image = await self._ensure(base) if base != "scratch" else Image("scratch", (), ImageConfig(), ())
         layers = list(image.layer_ids)
@@ -176,7 +188,7 @@ class NodeImages:
             if op in CONFIG_STEPS:
                 config = _apply_config(config, step)
                 key = _key(key, step)
-                report.append({"step": number, "op": op, "cached": True})
+                await _report(report, {"step": number, "op": op, "cached": True}, emit)
                 continue
             if op == "copy":
                 data = step.get("tar")
@@ -192,7 +204,7 @@ class NodeImages:
             cached = None if no_cache else self.store.cache_get(key)
             if cached is not None:
                 layers.append(cached)
-                report.append({"step": number, "op": op, "cached": True, "layer": cached})
+                await _report(report, {"step": number, "op": op, "cached": True, "layer": cached}, emit)
                 continue
             if op == "copy":
                 diff_id = await asyncio.to_thread(self.store.add_layer_tar, io.BytesIO(step["tar"]))
@@ -200,7 +212,7 @@ class NodeImages:
                 diff_id = await self._run_step(service, layers, config, step, number)
             self.store.cache_put(key, diff_id)
             layers.append(diff_id)
-            report.append({"step": number, "op": op, "cached": False, "layer": diff_id})
+            await _report(report, {"step": number, "op": op, "cached": False, "layer": diff_id}, emit)
         await asyncio.to_thread(self.store.commit, name, layers, config)
         return {"name": name, "layers": layers, "steps": report}
 
@@ -307,6 +319,12 @@ def _progress_relay(loop: asyncio.AbstractEventLoop, listeners: list[Emit]) -> r
             loop.call_soon_threadsafe(lambda e=emit: asyncio.ensure_future(e(event)))
 
     return progress
+
+
+async def _report(report: list[dict[str, Any]], entry: dict[str, Any], emit: Emit | None) -> None:
+    report.append(entry)
+    if emit is not None:
+        await emit(entry)
 
 
 def _key(parent: str, step: dict[str, Any]) -> str:

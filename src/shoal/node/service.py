@@ -490,12 +490,14 @@ class NodeService:
         base: str | None = None,
         steps: list[dict[str, Any]] | None = None,
         no_cache: bool = False,
+        emit: Emit | None = None,
     ) -> dict[str, Any]:
-        """Build a builtin image (no `steps`), or `steps` over image `base` (see shoal.images.builder)."""
+        """Build a builtin image (no `steps`), or `steps` over image `base` (see shoal.images.builder);
+        streams one event per step as it completes."""
         if steps is None:
             image = await asyncio.to_thread(self.images.build, name, force=force)
             return {"name": image.name, "layers": list(image.layer_ids)}
-        return await self.node_images.build(self, name, base or "scratch", steps, no_cache=no_cache)
+        return await self.node_images.build(self, name, base or "scratch", steps, no_cache=no_cache, emit=emit)
 
     async def image_list(self) -> list[str]:
         return self.images.names()
