@@ -186,11 +186,9 @@ class NodeService:
             self._creating -= 1
         return Sandbox(id=sandbox_id, spec=spec, image=image, instance=instance, agent=agent)
 
-    async def _image(self, name: str):  # noqa: ANN202
-        try:
-            return self.images.get(name)
-        except Exception:
-            return await asyncio.to_thread(self.images.ensure, name)
+    async def _image(self, name: str) -> Image:
+        """Image `name` from the store (built first if it is a builtin); its layers are not mounted."""
+        return await self.node_images.resolve(name)
 
     async def _bind(self, sandbox: Sandbox, spec: SandboxSpec, now: float) -> None:
         sandbox.bind(spec, now)
