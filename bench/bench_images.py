@@ -185,6 +185,11 @@ def main() -> int:
                     break
                 time.sleep(0.1)
         shutil.rmtree(home, ignore_errors=True)
+        for hierarchy in Path("/sys/fs/cgroup").iterdir():  # the (empty) cgroup parent our node made
+            try:
+                (hierarchy / os.environ["SHOAL_CGROUP_PARENT"]).rmdir()
+            except OSError:
+                pass
         for name in store.present():
             if name.startswith("bench-"):
                 store.remove(name)
