@@ -7,8 +7,12 @@ Layout under the store root (SHOAL_IMAGES; may be shared by several nodes):
         fs.erofs | fs/        the layer in overlay form: an EROFS image, or a plain directory
     images/<quoted name>.json {"name", "layers": [diff_id, ... top], "config": {...}, "oci_config": {...}}
     cache/<hex>               build cache: step key → diff_id
+    partial/<digest>[.lock]   interrupted registry downloads, resumed by the next pull
     tmp/<pid>-<random>/       staging; a layer appears under layers/ only by one atomic rename
+    .gc.lock                  shared by imports/pulls/builds in progress, exclusive for a full prune
 A layer is never written after it is committed, so every sandbox on the machine mounts the same one.
+A node holds a shared flock on `layers/<hex>/layer.json` while any sandbox uses the layer; GC skips
+layers it cannot lock exclusively, so no node removes what another node's sandboxes have mounted.
 """
 
 from __future__ import annotations
