@@ -67,8 +67,10 @@ class NodeService:
         await asyncio.to_thread(self.node_images.reconcile)
         self._reaper = asyncio.create_task(self._reap_forever())
         for shape, size in self.settings.pool_sizes.items():  # SHOAL_POOLS="busybox=4,container:debian=2"
-            kind, _, image = shape.rpartition(":")
-            await self.pool_set(SandboxSpec(kind=kind or "container", image=image), size)
+            kind, _, image = shape.partition(":")  # image names may hold colons (HOST:PORT/REPO:TAG)
+            if kind not in KINDS:
+                kind, image = "container", shape
+            await self.pool_set(SandboxSpec(kind=kind, image=image), size)
 
     async def stop(self) -> None:
         """Close every sandbox this node owns (a clean shutdown leaves nothing behind)."""
