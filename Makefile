@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-APT_PACKAGES := crun runc runsc bubblewrap mmdebstrap busybox-static erofs-utils iproute2 nftables \
+APT_PACKAGES := crun runc runsc bubblewrap mmdebstrap busybox-static erofs-utils iproute2 nftables e2fsprogs \
 	qemu-system-x86 qemu-utils gcc libc6-dev make psmisc procps file util-linux \
 	skopeo umoci docker-registry
 PYTHON ?= python3
@@ -41,6 +41,7 @@ test: setup
 bench: setup
 	$(PY) bench/bench_container.py
 	$(PY) bench/bench_images.py
+	$(PY) bench/bench_security.py --userns 100000
 
 lint: venv
 	$(VENV)/bin/ruff check src tests bench examples

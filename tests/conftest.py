@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import shoal
-from shoal.config import Paths
+from shoal.config import Paths, node_tag
 from shoal.node.daemon import spawn_background
 
 IMAGES = Path(os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/store"))
@@ -44,7 +46,22 @@ def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dic
             if cmdline.startswith(b"/.shoal/agent") and _in_cgroup(proc, cgroup_parent):
                 agents.append(proc.name)
     dirs = [str(p) for p in (home / "sandboxes").iterdir()] if (home / "sandboxes").is_dir() else []
-    return {"mounts": mounts, "cgroups": cgroup_dirs, "agents": agents, "dirs": dirs, "layers": layer_mounts(home)}
+    prefix = node_tag(home)
+    links = [n for n in os.listdir("/sys/class/net") if n.startswith(prefix)]
+    table = subprocess.run(["nft", "list", "table", "inet", f"shoal_{prefix}"], capture_output=True, text=True)
+    if node_stopped:
+        nft = [f"table inet shoal_{prefix}"] if table.returncode == 0 else []
+    else:
+        nft = re.findall(r"chain (sb\d+)", table.stdout)
+    loops = [line for line in _losetup() if line.endswith(f"/disk-{prefix}.img")]
+    return {"mounts": mounts, "cgroups": cgroup_dirs, "agents": agents, "dirs": dirs, "links": links, "nft": nft,
+            "loops": loops, "layers": layer_mounts(home)}  # fmt: skip
+
+
+def _losetup() -> list[str]:
+    """Backing files of the loop devices in use."""
+    out = subprocess.run(["losetup", "-n", "-O", "BACK-FILE"], capture_output=True, text=True).stdout
+    return [line.strip() for line in out.splitlines()]
 
 
 def layer_mounts(home: Path) -> list[str]:
@@ -132,7 +149,8 @@ class NodeProcess:
 @pytest.fixture(scope="session")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     home = tmp_path_factory.mktemp("shoal-home")
-    proc = NodeProcess(home, f"shoal-test-{os.getpid()}").start()
+    extra = {"SHOAL_USERNS": os.environ["SHOAL_TEST_USERNS"]} if os.environ.get("SHOAL_TEST_USERNS") else {}
+    proc = NodeProcess(home, f"shoal-test-{os.getpid()}", **extra).start()  # SHOAL_TEST_USERNS=<base>: all in userns
     yield proc
     proc.stop()
     found = no_leftovers(proc.home, proc.cgroup_parent, node_stopped=True)

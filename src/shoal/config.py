@@ -43,6 +43,11 @@ class Paths:
         return self.home / "runtime"
 
 
+def node_tag(home: Path) -> str:
+    """A short name unique to one node's home on this host: prefixes its links, nftables table, disks."""
+    return "sh" + hashlib.sha1(str(home.resolve()).encode()).hexdigest()[:4]
+
+
 @dataclass(frozen=True)
 class NodeSettings:
     """Tunables of one node; every one can be set from the environment."""

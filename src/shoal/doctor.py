@@ -71,7 +71,7 @@ def run_checks() -> list[Check]:
         checks.append(Check(tool, path is not None, path or "not found", f"apt-get install {package}"))
     ok, detail = _kvm_boots()
     checks.append(Check("kvm", ok, detail, "microvm/vm fall back to TCG (slow); use a host with VMX/SVM"))
-    return checks
+    return checks + isolation_checks()
 
 
 def report() -> tuple[str, bool]:
@@ -86,3 +86,68 @@ def report() -> tuple[str, bool]:
             line += f"\n       remedy: {check.remedy}"
         lines.append(line)
     return "\n".join(lines), healthy
+
+
+def isolation_checks() -> list[Check]:
+    """The isolation a sandbox effectively gets from each runtime here, and what network/disk limits need."""
+    from shoal.substrates.container import oci, seccomp
+
+    checks = []
+    userns = os.environ.get("SHOAL_USERNS")
+    root = f"root → host uid {userns} (user namespace)" if userns else "root → host root (SHOAL_USERNS unset)"
+    kept = ",".join(c.removeprefix("CAP_") for c in oci.CAPABILITIES)
+    profile = (
+        f"namespaces pid,net,ipc,uts,mount,cgroup{',user' if userns else ''}; seccomp refuses "
+        f"{len(seccomp.DENIED_SYSCALLS)} syscalls + clone(namespaces), ptrace attach; caps {kept}; no_new_privs; "
+        f"{len(oci.MASKED_PATHS)} masked paths; /proc/sys and /sys read-only; devices deny-all; {root}"
+    )
+    for name in ("crun", "runc", "runsc"):
+        path = shutil.which(name)
+        if path is None:
+            continue
+        try:
+            version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            version = ""
+        seccomp_ok = "+SECCOMP" in version if name == "crun" else "libseccomp" in version or name == "runsc"
+        detail = ("gVisor: a user-space kernel serves every syscall; " if name == "runsc" else "") + profile
+        if name == "runsc":
+            detail += "; OCI seccomp not applied (gVisor is the boundary); no network policy yet (no host pid)"
+        checks.append(
+            Check(f"isolation {name}", seccomp_ok, detail, f"{name} was built without seccomp: install a build with it")
+        )
+    if not userns:
+        max_ns = Path("/proc/sys/user/max_user_namespaces")
+        ok = max_ns.exists() and int(max_ns.read_text()) > 0
+        checks.append(
+            Check(
+                "user namespaces",
+                False,
+                "available but off" if ok else "disabled in this kernel",
+                "set SHOAL_USERNS=100000 on the node to map sandbox root to unprivileged host uids"
+                if ok
+                else "sysctl user.max_user_namespaces=10000",
+            )  # fmt: skip
+        )
+    tools = {"nft": "nftables", "ip": "iproute2", "nsenter": "util-linux"}
+    missing = [pkg for tool, pkg in tools.items() if shutil.which(tool) is None]
+    forward = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() == "1"
+    checks.append(
+        Check(
+            "network policy",
+            not missing,
+            "nftables + veth per sandbox; IPv4 forwarding "
+            + ("on" if forward else "off (the node turns it on at the first sandbox given a network policy)"),
+            f"apt-get install {' '.join(missing)}",
+        )  # fmt: skip
+    )
+    disk_ok = shutil.which("mkfs.ext4") is not None and os.path.exists("/dev/loop-control")
+    checks.append(
+        Check(
+            "disk limits",
+            disk_ok,
+            "disk_mb: per-sandbox ext4 on a loop device" if disk_ok else "unavailable",
+            "apt-get install e2fsprogs; modprobe loop",
+        )  # fmt: skip
+    )
+    return checks

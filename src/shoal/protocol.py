@@ -39,12 +39,15 @@ class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     owner: str | None = None
     output_cap_bytes: int | None = None
     pool: bool = True
+    network: str | list[str] | dict[str, bool] = "none"  # late-bound: "none", a preset, rules, {"pypi": True}
+    disk_mb: int | None = None  # cap on what the sandbox may write (its overlay upper)
 
     def pool_key(self) -> str:
         """Sandboxes that differ only in late-bound fields share a warm pool."""
         cpu = "" if self.cpu is None else f"{self.cpu:g}"
         image = "+".join([self.image, *self.layers])
-        return f"{self.kind}:{image}:{self.runtime}:cpu={cpu}:mem={self.memory_mb}:pids={self.pids}"
+        disk = f":disk={self.disk_mb}" if self.disk_mb else ""
+        return f"{self.kind}:{image}:{self.runtime}:cpu={cpu}:mem={self.memory_mb}:pids={self.pids}{disk}"
 
 
 class SandboxInfo(msgspec.Struct, kw_only=True):

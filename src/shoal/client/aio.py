@@ -338,6 +338,15 @@ class AsyncSandbox:
         """Commit this sandbox's writes (deletions too) as image `name`: its image plus one new layer."""
         return await self.client.call("sandbox_snapshot", {"sandbox_id": self.id, "name": name})
 
+    async def set_network(self, network: str | list[str] | dict[str, bool]) -> dict[str, Any]:
+        """Change the network policy now: "none", a preset ("pypi"), rules ("tcp://host:443",
+        "10.0.0.0/8:80", "udp://1.2.3.4:53"), a list of them, or {"pypi": True, "npm": False}.
+
+        Names are resolved by the node now; open connections to destinations no longer allowed are cut.
+        Returns what was applied (rules, resolved names, the sandbox's address).
+        """
+        return await self.client.call("set_network", {"sandbox_id": self.id, "network": network})
+
     async def close(self) -> None:
         """Destroy the sandbox and everything it owns. Closing twice is fine."""
         await self.client.call("kill", {"sandbox_id": self.id})

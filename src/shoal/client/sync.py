@@ -172,6 +172,10 @@ class Sandbox:
     def snapshot(self, name: str) -> dict[str, Any]:
         return self._client._run(self._inner.snapshot(name))
 
+    def set_network(self, network: str | list[str] | dict[str, bool]) -> dict[str, Any]:
+        """See `AsyncSandbox.set_network`."""
+        return self._client._run(self._inner.set_network(network))
+
     def close(self) -> None:
         self._client._run(self._inner.close())
 

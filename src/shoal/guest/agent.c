@@ -1355,6 +1355,10 @@ int main(int argc, char **argv) {
         sigaction(SIGINT, &sa, NULL);
     }
     prctl(PR_SET_CHILD_SUBREAPER, 1);
+    /* Not dumpable: a process in the sandbox, even root there, may not open /proc/1/mem, /proc/1/fd or
+       /proc/1/environ, nor take our listening socket with pidfd_getfd (the ptrace access check then
+       needs CAP_SYS_PTRACE, which sandboxes lack). Commands become dumpable again when they exec. */
+    prctl(PR_SET_DUMPABLE, 0);
     agent_pid = getpid();
 
     for (;;) {
@@ -1380,8 +1384,17 @@ int main(int argc, char **argv) {
             handle(c);
             _exit(0);
         }
-        if (pid < 0)
+        if (pid < 0) {
+            /* Typically the sandbox's pids limit: answer instead of dropping the connection, so the node
+               reports a full sandbox rather than a lost one. */
+            int err = errno;
+            conn = c;
+            send_err(err, "the agent could not fork a handler: %s (the sandbox is at its pids limit: "
+                          "wait for processes to exit or kill them, or create it with a larger pids)",
+                     strerror(err));
+            conn = -1;
             usleep(1000);
+        }
         close(c);
     }
 }

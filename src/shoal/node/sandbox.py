@@ -33,6 +33,7 @@ class Sandbox:
     uid: int = 0
     gid: int = 0
     lost_reason: str = ""
+    resolv_written: bool = False
 
     @property
     def env(self) -> dict[str, str]:

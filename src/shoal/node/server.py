@@ -13,6 +13,8 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from shoal import protocol
 from shoal.errors import InvalidRequestError, ShoalError
 from shoal.node.service import NodeService
@@ -27,6 +29,7 @@ OPS = [
     "image_ls", "image_inspect", "image_rm", "image_prune", "image_tag", "image_squash", "image_import", "image_export",
     "image_pull", "image_push",
     "sandbox_snapshot",
+    "set_network",
 ]  # fmt: skip
 
 
@@ -42,7 +45,10 @@ class _Op:
         unknown = set(args) - set(self.types)
         if unknown:
             raise InvalidRequestError(f"unknown arguments {sorted(unknown)}")
-        return {k: protocol.convert(v, self.types[k]) for k, v in args.items()}
+        try:
+            return {k: protocol.convert(v, self.types[k]) for k, v in args.items()}
+        except msgspec.ValidationError as exc:
+            raise InvalidRequestError(f"invalid request: {exc}") from None
 
 
 class NodeServer:

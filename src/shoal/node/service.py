@@ -27,6 +27,7 @@ from shoal.errors import (
 from shoal.guest import AgentClient, AgentError
 from shoal.images import Image, ImageStore
 from shoal.images.builtin import register_builtins
+from shoal.node import network
 from shoal.node.images import NodeImages
 from shoal.node.pools import WarmPools
 from shoal.node.sandbox import Sandbox, State
@@ -39,6 +40,7 @@ log = logging.getLogger("shoal.node")
 
 Emit = Callable[[Any], Awaitable[None]]
 MIN_MEMORY_MB = 8
+MIN_DISK_MB = 4
 KILL_GRACE_S = 2.0
 
 
@@ -55,6 +57,7 @@ class NodeService:
         self.shells: dict[str, ShellSession] = {}
         self.closed: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.pools = WarmPools(self._make, self._destroy)
+        self.network = network.NetworkManager(paths.home)
         self.started_at = time.time()
         self._creating = 0
         self._reaper: asyncio.Task | None = None
@@ -62,9 +65,11 @@ class NodeService:
     # ---------------------------------------------------------------- lifecycle of the node
 
     async def start(self) -> None:
+        _shield_node_from_oom_killer()
         self.paths.sandboxes.mkdir(parents=True, exist_ok=True)
         await self.reconcile()
         await asyncio.to_thread(self.node_images.reconcile)
+        await self.network.cleanup_all()  # sandboxes of an earlier node are gone: so is their plumbing
         self._reaper = asyncio.create_task(self._reap_forever())
         for shape, size in self.settings.pool_sizes.items():  # SHOAL_POOLS="busybox=4,container:debian=2"
             kind, _, image = shape.partition(":")  # image names may hold colons (HOST:PORT/REPO:TAG)
@@ -79,6 +84,7 @@ class NodeService:
         await self.pools.drain()
         await asyncio.gather(*(self.kill(i, reason="node shut down") for i in list(self.sandboxes)))
         await asyncio.to_thread(self.node_images.mounts.release_all)
+        await self.network.cleanup_all()
 
     async def reconcile(self) -> list[str]:
         """Remove what sandboxes of an earlier node process left: mounts, cgroups, runtime state, files."""
@@ -147,6 +153,9 @@ class NodeService:
             raise InvalidRequestError(f"pids={spec.pids}: a sandbox needs at least 2 (its agent and one command)")
         if spec.ttl_s is not None and spec.ttl_s <= 0:
             raise InvalidRequestError(f"ttl_s={spec.ttl_s} must be positive (or None for no limit)")
+        network.normalise(spec.network)
+        if spec.disk_mb is not None and spec.disk_mb < MIN_DISK_MB:
+            raise InvalidRequestError(f"disk_mb={spec.disk_mb} is below the minimum of {MIN_DISK_MB} MB")
         for path in [spec.workdir or "/", *spec.files]:
             if not path.startswith("/"):
                 raise InvalidRequestError(f"path {path!r} must be absolute")
@@ -200,6 +209,34 @@ class NodeService:
             await sandbox.agent.mkdir(spec.workdir, uid=sandbox.uid, gid=sandbox.gid, parents=True)
         for path, data in spec.files.items():
             await sandbox.agent.write_file(path, data, uid=sandbox.uid, gid=sandbox.gid)
+        if network.normalise(spec.network):
+            await self._apply_network(sandbox, spec.network)
+
+    async def _apply_network(self, sandbox: Sandbox, spec: network.NetworkSpec) -> dict[str, Any]:
+        policy = await network.resolve(spec, self.network.config)
+        pid = sandbox.instance.extra.get("pid")
+        if pid is None:
+            raise InvalidRequestError(
+                f"network policies need the sandbox's agent pid on the host, which {sandbox.spec.kind} sandboxes on "
+                f"runtime {sandbox.spec.runtime!r} do not have yet: use network='none' or runtime 'crun'/'runc'"
+            )
+        attachment = await self.network.apply(sandbox.id, pid, sandbox.instance.directory, policy)
+        if attachment is not None and not sandbox.resolv_written:
+            await sandbox.agent.write_file("/etc/resolv.conf", f"nameserver {attachment.gateway}\n".encode())
+            sandbox.resolv_written = True
+        return {
+            "network": policy.source,
+            "rules": [r.nft().removesuffix(" accept") for r in policy.rules],
+            "names": policy.names,
+            "address": attachment.address if attachment else None,
+        }
+
+    async def set_network(self, sandbox_id: str, network: str | list[str] | dict[str, bool]) -> dict[str, Any]:
+        """Change a running sandbox's network policy; open connections to revoked destinations are cut."""
+        sandbox = self._get(sandbox_id)
+        summary = await self._apply_network(sandbox, network)
+        sandbox.spec.network = network
+        return summary
 
     async def _resolve_user(self, sandbox: Sandbox, user: str) -> tuple[int, int]:
         name, _, group = user.partition(":")
@@ -219,6 +256,7 @@ class NodeService:
         try:
             await self.substrates[sandbox.spec.kind].destroy(sandbox.instance)
         finally:
+            await self.network.detach(sandbox.id)
             await self.node_images.release(sandbox.image.layer_ids)
 
     async def _spawn(self, spec: SandboxSpec, image: Image) -> Sandbox:
@@ -296,6 +334,16 @@ class NodeService:
                 except Exception as exc:  # keep reaping the others
                     log.warning("reaper: could not close %s: %s", sandbox_id, exc)
 
+    async def _agent_alive(self, sandbox: Sandbox) -> bool:
+        """Does the sandbox's agent (PID 1) still answer? A dropped connection alone does not say."""
+        try:
+            await asyncio.wait_for(sandbox.agent.hello(), 5)
+        except AgentError:  # it answered, with an error (e.g. it cannot fork at the pids limit)
+            return True
+        except Exception:
+            return False
+        return True
+
     async def _lost(self, sandbox: Sandbox, exc: BaseException) -> SandboxLostError:
         """The agent stopped answering: mark the sandbox lost, free its resources, say why."""
         reason = f"its agent stopped answering ({exc.__class__.__name__}: {exc})"
@@ -331,11 +379,18 @@ class NodeService:
                 merge_stderr=req.merge_stderr,
             )
         except (ConnectionError, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno == errno.EAGAIN:
+                raise CapacityError(
+                    f"sandbox {sandbox.id} could not start the command: {exc.strerror or exc}; its pids limit is "
+                    f"{sandbox.spec.pids}"
+                ) from None
             if isinstance(exc, AgentError):
                 raise
-            raise await self._lost(sandbox, exc) from exc
+            if not isinstance(exc, (ConnectionError, FileNotFoundError)) or not await self._agent_alive(sandbox):
+                raise await self._lost(sandbox, exc) from exc
+            raise CapacityError(f"sandbox {sandbox.id} dropped the command before it started: {exc}") from None
         stdout, stderr = bytearray(), bytearray()
-        timed_out = False
+        timed_out = killed_inside = False
         pending: asyncio.Future | None = None
         try:
             if req.stdin is not None:
@@ -372,12 +427,17 @@ class NodeService:
                 if emit is not None and req.stream:
                     await emit(OutputChunk(stream=stream, data=data))
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
-            raise await self._lost(sandbox, exc) from exc
+            if not await self._agent_alive(sandbox):
+                raise await self._lost(sandbox, exc) from exc
+            # The agent lives but the process serving this command was killed from inside the sandbox
+            # (`kill -9 -1` as root there): report the command as killed, keep the sandbox.
+            stderr.extend(b"\n[shoal] the command's handler was killed from inside the sandbox\n")
+            killed_inside = True
         finally:
             if pending is not None:
                 pending.cancel()
             await proc.close()
-        exit_info = proc.exit
+        exit_info = None if killed_inside else proc.exit
         oom = bool(sandbox.spec.memory_mb) and cgroups.oom_kills(sandbox.instance.cgroup_path) > ooms
         return ExecResult(
             exit_code=exit_info.exit_code if exit_info else 137,
@@ -572,3 +632,12 @@ def _entry(entry: Any) -> FileEntry:
     return FileEntry(
         name=entry.name, kind=entry.kind, size=entry.size, mode=entry.mode, mtime=entry.mtime, target=entry.target
     )
+
+
+def _shield_node_from_oom_killer() -> None:
+    """A sandbox without memory_mb can exhaust the host: the kernel must then kill its processes, not the node."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as handle:
+            handle.write("-1000")
+    except OSError:
+        log.warning("could not shield the node from the OOM killer")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 from typing import Any
 
+from shoal.substrates.container import userns
 from shoal.substrates.container.seccomp import seccomp_profile
 
 # The capabilities a sandbox keeps: enough for package managers and servers, nothing that reaches the
@@ -27,8 +28,10 @@ CAPABILITIES = [
 MASKED_PATHS = [
     "/proc/acpi",
     "/proc/asound",
+    "/proc/kallsyms",
     "/proc/kcore",
     "/proc/keys",
+    "/proc/kmsg",
     "/proc/kpagecgroup",
     "/proc/kpagecount",
     "/proc/kpageflags",
@@ -37,8 +40,11 @@ MASKED_PATHS = [
     "/proc/scsi",
     "/proc/timer_list",
     "/proc/timer_stats",
+    "/proc/vmallocinfo",
     "/sys/firmware",
     "/sys/kernel/debug",
+    "/sys/kernel/mm/page_idle",
+    "/sys/kernel/security",
     "/sys/devices/virtual/powercap",
 ]
 
@@ -59,6 +65,7 @@ def bundle_config(
     pids: int | None,
     resolv_conf: str | None = None,
     agent_dir: str | None = None,
+    userns_base: int | None = None,
 ) -> dict[str, Any]:
     """config.json for a sandbox whose PID 1 is the shoal agent.
 
@@ -112,6 +119,11 @@ def bundle_config(
         mounts.append(
             {"destination": "/etc/resolv.conf", "type": "bind", "source": resolv_conf, "options": ["bind", "ro"]}
         )
+    namespaces = [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")]
+    linux: dict[str, Any] = {}
+    if userns_base is not None:  # root here is host uid `userns_base`, unprivileged outside
+        namespaces.append({"type": "user"})
+        linux.update(userns.mappings(userns_base))
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -130,7 +142,8 @@ def bundle_config(
         "linux": {
             "cgroupsPath": cgroup_path,
             "resources": resources,
-            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
+            "namespaces": namespaces,
+            **linux,
             "maskedPaths": MASKED_PATHS,
             "readonlyPaths": READONLY_PATHS,
             "seccomp": seccomp_profile(),

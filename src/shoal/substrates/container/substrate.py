@@ -3,7 +3,7 @@
 Per sandbox, under its state directory:
     record.json   written first, so a crashed node can find and remove everything below
     config.json   the OCI bundle config; rootfs/ is the overlay mount point
-    upper/ work/  the sandbox's private writes
+    upper/ work/  the sandbox's private writes (under disk/, its own size-limited ext4, with disk_mb)
     agent.sock    the agent's listening socket (host side only; the sandbox sees no such file)
     runtime.log   what the runtime (and the agent) printed
 """
@@ -13,16 +13,19 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import os
 import shutil
 import socket
 from pathlib import Path
 
 from shoal import cgroups, linux
+from shoal.config import node_tag
 from shoal.errors import SandboxLostError
 from shoal.guest import agent_binary_path
 from shoal.images import Image
 from shoal.protocol import SandboxSpec
 from shoal.substrates.base import Instance, Substrate
+from shoal.substrates.container import disk, userns
 from shoal.substrates.container.oci import bundle_config
 from shoal.substrates.container.runtime import OciRuntime
 
@@ -36,6 +39,10 @@ class ContainerSubstrate(Substrate):
         self.cgroup_parent = cgroup_parent
         self.agent_binary = str(agent_binary_path())
         self._runtimes: dict[str, OciRuntime] = {}
+        base = os.environ.get("SHOAL_USERNS", "")
+        self.userns_base: int | None = int(base) if base else None
+        default_disk = os.environ.get("SHOAL_DEFAULT_DISK_MB", "")  # a cap for sandboxes that name none
+        self.default_disk_mb: int | None = int(default_disk) if default_disk else None
 
     def runtime(self, name: str) -> OciRuntime:
         if name not in self._runtimes:
@@ -56,10 +63,15 @@ class ContainerSubstrate(Substrate):
         )
         directory.mkdir(parents=True)
         listener: socket.socket | None = None
+        shift = self.userns_base if runtime.passes_fds else None  # gVisor keeps its own user isolation
         try:
             record = {"id": sandbox_id, "kind": self.kind, "runtime": runtime.name, "cgroup": instance.cgroup_path}
             (directory / "record.json").write_text(json.dumps(record))
-            self._mount_rootfs(directory, image)
+            disk_mb = spec.disk_mb or self.default_disk_mb
+            if disk_mb or shift is not None:  # formatting, copying, shifting: off the loop
+                await asyncio.to_thread(self._mount_rootfs, directory, image, disk_mb, shift)
+            else:
+                self._mount_rootfs(directory, image)
             config = bundle_config(
                 hostname="sandbox",
                 agent_binary=self.agent_binary,
@@ -68,6 +80,7 @@ class ContainerSubstrate(Substrate):
                 memory_mb=spec.memory_mb,
                 pids=spec.pids,
                 agent_dir=str(agent_dir) if agent_dir else None,
+                userns_base=shift,
             )
             if agent_dir:
                 agent_dir.mkdir()
@@ -91,11 +104,21 @@ class ContainerSubstrate(Substrate):
                 listener.close()
         return instance
 
-    def _mount_rootfs(self, directory: Path, image: Image) -> None:
-        for sub in ("rootfs", "upper", "work"):
-            (directory / sub).mkdir()
-        lowers = ":".join(str(layer) for layer in reversed(image.layers))
-        options = f"lowerdir={lowers},upperdir={directory / 'upper'},workdir={directory / 'work'}"
+    def _mount_rootfs(
+        self, directory: Path, image: Image, disk_mb: int | None = None, shift: int | None = None
+    ) -> None:
+        (directory / "rootfs").mkdir()
+        home = self.sandboxes_dir.parent
+        base = disk.mount_disk(directory, home / "disk-templates", disk_mb, node_tag(home)) if disk_mb else directory
+        layers = image.layers
+        for sub in ("upper", "work"):
+            (base / sub).mkdir()
+        if shift is not None:
+            layers = userns.shifted_layers(layers, home / "userns-layers", shift)
+            for path in (base / "upper", base / "work", directory / "rootfs"):
+                os.chown(path, shift, shift)
+        lowers = ":".join(str(layer) for layer in reversed(layers))
+        options = f"lowerdir={lowers},upperdir={base / 'upper'},workdir={base / 'work'}"
         linux.mount("overlay", str(directory / "rootfs"), "overlay", 0, options)
 
     async def destroy(self, instance: Instance) -> None:
@@ -151,4 +174,5 @@ def _remove_leftovers(directory: Path, cgroup_path: str) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EINVAL, errno.ENOENT):  # not mounted (any more): nothing to do
             raise SandboxLostError(f"could not unmount {rootfs}: {exc}") from exc
+    disk.unmount_disk(directory)
     shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,174 @@
+"""Abuse from inside one sandbox: each attempt is contained there with a clear result, while a neighbour
+sandbox and the node keep answering promptly. Latency under abuse is measured by bench/bench_security.py;
+here the bound is only "answers within a few seconds" (a 2-core machine shared with other test runs).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import shoal
+
+PROMPT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def neighbour(client: shoal.Client) -> Iterator[shoal.Sandbox]:
+    with client.create(image="busybox", pool=False) as sandbox:
+        yield sandbox
+
+
+def assert_neighbour_and_node_fine(client: shoal.Client, neighbour: shoal.Sandbox) -> None:
+    start = time.monotonic()
+    assert neighbour.exec("echo ok").stdout == "ok\n"
+    assert client.status()["sandboxes"] >= 1
+    with client.create(image="busybox", pool=False) as fresh:
+        assert fresh.exec("echo fresh").stdout == "fresh\n"
+    assert time.monotonic() - start < PROMPT_S * 2
+
+
+def run_beside(
+    client: shoal.Client, neighbour: shoal.Sandbox, abuser: shoal.Sandbox, cmd: str, **kw
+) -> shoal.ExecResult:  # noqa: ANN003
+    """Run `cmd` in `abuser` while checking the neighbour answers during the abuse, not only after it."""
+    import threading
+
+    result: list[shoal.ExecResult] = []
+    thread = threading.Thread(target=lambda: result.append(abuser.exec(cmd, **kw)))
+    thread.start()
+    time.sleep(1.0)
+    latencies = []
+    while thread.is_alive() and len(latencies) < 5:
+        t = time.monotonic()
+        assert neighbour.exec("echo ok", timeout=30).stdout == "ok\n"
+        latencies.append(time.monotonic() - t)
+        time.sleep(0.2)
+    thread.join(120)
+    assert latencies, "the abuse ended before the neighbour could be checked during it"
+    assert max(latencies) < PROMPT_S, f"neighbour exec took {max(latencies):.2f}s under abuse"
+    return result[0]
+
+
+def test_fork_bomb(client: shoal.Client, neighbour: shoal.Sandbox) -> None:
+    with client.create(image="busybox", pids=256, pool=False) as abuser:
+        r = run_beside(client, neighbour, abuser, "bomb() { bomb | bomb & }; bomb; sleep 4", timeout=4)
+        assert r.timed_out  # the tree (every bomb process) was killed at the timeout
+        time.sleep(0.5)
+        assert abuser.exec("echo recovered", timeout=20).stdout == "recovered\n"
+    assert_neighbour_and_node_fine(client, neighbour)
+
+
+HOLD_PIDS = """
+import os, time
+end = time.time() + 4
+while time.time() < end:
+    try:
+        if os.fork() == 0:
+            time.sleep(max(0.0, end - time.time()))
+            os._exit(0)
+    except OSError:
+        time.sleep(0.001)
+"""
+
+
+def test_pids_exhausted_gives_clear_error_not_lost(client: shoal.Client, neighbour: shoal.Sandbox) -> None:
+    """A sandbox whose every pid is taken cannot start commands: the node says so, the sandbox lives on."""
+    with client.create(image="debian", pids=48, pool=False) as abuser:
+        abuser.exec(f"python3 -c '{HOLD_PIDS}' >/dev/null 2>&1 &")
+        time.sleep(1)
+        refused = 0
+        for _ in range(5):
+            try:
+                r = abuser.exec("echo more")
+                assert r.exit_code == 0 or "fork" in r.stderr, r
+            except shoal.CapacityError as exc:
+                assert "pids" in str(exc)
+                refused += 1
+        assert refused, "the pids limit never refused a command: the test did not fill it"
+        time.sleep(3.5)
+        assert abuser.exec("echo recovered").stdout == "recovered\n"
+        assert client.get(abuser.id).info.state == "ready"
+    assert_neighbour_and_node_fine(client, neighbour)
+
+
+def test_memory_bomb(client: shoal.Client, neighbour: shoal.Sandbox) -> None:
+    with client.create(image="busybox", memory_mb=64, pool=False) as abuser:
+        r = run_beside(client, neighbour, abuser, "sleep 1.5; x=a; while true; do x=$x$x; done", timeout=30)
+        assert r.oom_killed and r.exit_code == 137
+        assert abuser.exec("echo recovered").stdout == "recovered\n"
+    assert_neighbour_and_node_fine(client, neighbour)
+
+
+def test_disk_fill(client: shoal.Client, neighbour: shoal.Sandbox) -> None:
+    with client.create(image="busybox", disk_mb=64, pool=False) as abuser:
+        r = run_beside(client, neighbour, abuser, "cat /dev/zero > /fill; sleep 2; df -k / | tail -1", timeout=60)
+        assert "No space left on device" in r.stderr and int(r.stdout.split()[3]) < 1024  # KB left
+        assert abuser.exec("echo alive").stdout == "alive\n"
+    assert_neighbour_and_node_fine(client, neighbour)
+
+
+def test_output_flood(client: shoal.Client, neighbour: shoal.Sandbox) -> None:
+    with client.create(image="busybox", pool=False) as abuser:
+        r = run_beside(client, neighbour, abuser, "yes; yes >&2", timeout=3)
+        assert r.timed_out and r.truncated and len(r.stdout_bytes) <= 1 << 20
+    assert_neighbour_and_node_fine(client, neighbour)
+
+
+def test_cpu_hog(client: shoal.Client, neighbour: shoal.Sandbox) -> None:
+    with client.create(image="busybox", pool=False) as abuser:
+        hogs = " ".join("(while :; do :; done) &" for _ in range(2 * (os.cpu_count() or 2)))
+        r = run_beside(client, neighbour, abuser, f"{hogs} sleep 4", timeout=4)
+        assert r.timed_out
+    assert_neighbour_and_node_fine(client, neighbour)
+
+
+def test_signal_every_pid(client: shoal.Client, neighbour: shoal.Sandbox) -> None:
+    sentinel = subprocess.Popen(["sleep", "60"])
+    try:
+        with client.create(image="busybox", pool=False) as abuser:
+            abuser.exec("sleep 100 >/dev/null 2>&1 &")
+            r = abuser.exec("kill -9 -1; kill -15 -1; sleep 1; echo unreachable")
+            assert r.exit_code == 137 and r.signal == 9 and "unreachable" not in r.stdout
+            time.sleep(1.2)  # the killed command's shell finishes its `sleep 1` by itself
+            assert "sleep 100" not in abuser.exec("ps -o args").stdout
+            assert abuser.exec("echo survived").stdout == "survived\n"
+        assert sentinel.poll() is None, "a signal from inside a sandbox reached a host process"
+    finally:
+        sentinel.kill()
+        sentinel.wait()
+    assert_neighbour_and_node_fine(client, neighbour)
+
+
+def test_mass_file_descriptors(client: shoal.Client, neighbour: shoal.Sandbox) -> None:
+    with client.create(image="debian", pool=False) as abuser:
+        code = (
+            "import os\nfds=[]\ntry:\n while True: fds.append(os.open('/dev/null', os.O_RDONLY))\n"
+            "except OSError as e: print(len(fds), e.strerror)"
+        )
+        r = abuser.exec(["python3", "-c", code])
+        count, _, reason = r.stdout.strip().partition(" ")
+        assert reason == "Too many open files" and int(count) <= 65536
+        assert abuser.exec("echo ok").stdout == "ok\n"
+    assert_neighbour_and_node_fine(client, neighbour)
+
+
+def test_mass_sockets(client: shoal.Client, neighbour: shoal.Sandbox) -> None:
+    with client.create(image="debian", pool=False, memory_mb=256) as abuser:
+        code = (
+            "import socket\nsocks=[]\ntry:\n while True:\n  a,b=socket.socketpair(); socks += [a,b]\n"
+            "except OSError as e: print(len(socks), e.strerror)\n"
+            "l=socket.socket(); l.bind(('127.0.0.1',0)); l.listen(4096); port=l.getsockname()[1]\n"
+            "for s in socks[:20000]: s.close()\n"
+            "conns=[]\ntry:\n for _ in range(2000): conns.append(socket.create_connection(('127.0.0.1',port)))\n"
+            "except OSError as e: print('connect', e.strerror)\n"
+            "print('tcp', len(conns), flush=True)\nimport time; time.sleep(3)"
+        )
+        r = run_beside(client, neighbour, abuser, ["python3", "-c", code], timeout=60)
+        assert "Too many open files" in r.stdout or r.oom_killed, r
+        assert abuser.exec("echo ok").stdout == "ok\n"
+    assert_neighbour_and_node_fine(client, neighbour)

@@ -1,0 +1,100 @@
+"""Disk limits: `disk_mb` puts a sandbox's writes on its own size-limited filesystem."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import NodeProcess, leftovers, no_leftovers
+
+import shoal
+
+FILL_INODES = """
+import os
+n = 0
+try:
+    while True:
+        open(f"/tmp/f{n}", "w").close()
+        n += 1
+except OSError as e:
+    print(n, e.strerror)
+"""
+
+
+def test_disk_fill_is_contained(client: shoal.Client, node: NodeProcess) -> None:
+    with (
+        client.create(image="busybox", disk_mb=32, pool=False) as sb,
+        client.create(image="busybox", pool=False) as other,
+    ):
+        r = sb.exec("dd if=/dev/zero of=/fill bs=1M count=100; sync; ls -l /fill")
+        assert "No space left on device" in r.stderr
+        size = int(r.stdout.split()[4])
+        assert 20 << 20 < size <= 32 << 20
+        assert sb.exec("head -c 1048576 /dev/zero > /tmp/x").exit_code != 0  # full: further writes fail ...
+        assert sb.exec("echo still answers").stdout == "still answers\n"  # ... the sandbox does not
+        assert other.exec("dd if=/dev/zero of=/f bs=1M count=40 2>&1 && echo ok").stdout.endswith("ok\n")
+        (image,) = (node.home / "sandboxes" / sb.id).glob("disk-*.img")
+        assert image.stat().st_blocks * 512 <= 33 << 20  # what the host spent on it: at most the limit
+        assert sb.exec("rm /fill && echo again > /tmp/x && cat /tmp/x").stdout == "again\n"
+
+
+def test_inode_exhaustion_is_contained(client: shoal.Client) -> None:
+    with (
+        client.create(image="debian", disk_mb=16, pool=False) as sb,
+        client.create(image="debian", pool=False) as other,
+    ):
+        r = sb.exec(["python3", "-c", FILL_INODES], timeout=120)
+        count, _, reason = r.stdout.strip().partition(" ")
+        assert reason == "No space left on device" and 1000 < int(count) < 4096, r.stdout
+        assert sb.exec("echo alive").stdout == "alive\n"
+        assert other.exec("touch /tmp/a /tmp/b && echo ok").stdout == "ok\n"
+
+
+def test_disk_limit_applies_to_files_api(client: shoal.Client) -> None:
+    with client.create(image="busybox", disk_mb=8, pool=False) as sb:
+        with pytest.raises(shoal.ShoalError, match="No space|space"):
+            sb.files.write("/big.bin", b"x" * (16 << 20))
+        sb.files.write("/small.txt", "fits")
+        assert sb.files.read_text("/small.txt") == "fits"
+
+
+def test_default_has_no_disk_of_its_own(client: shoal.Client, node: NodeProcess) -> None:
+    with client.create(image="busybox", pool=False) as sb:
+        directory = node.home / "sandboxes" / sb.id
+        assert (directory / "upper").is_dir() and not (directory / "disk").exists()
+
+
+def test_bad_disk_mb(client: shoal.Client) -> None:
+    with pytest.raises(shoal.InvalidRequestError, match="disk_mb"):
+        client.create(image="busybox", disk_mb=1)
+
+
+def test_killed_node_leaves_no_disks(tmp_path: Path) -> None:
+    doomed = NodeProcess(tmp_path / "home", f"shoal-test-diskkill-{os.getpid()}").start()
+    with doomed.client() as client:
+        for _ in range(2):
+            client.create(image="busybox", disk_mb=16, pool=False).exec("echo x > /x")
+    doomed.stop(signal.SIGKILL)
+    assert leftovers(doomed.home, doomed.cgroup_parent)["loops"]  # the SIGKILL really left disks
+    doomed.start()
+    try:
+        assert not no_leftovers(doomed.home, doomed.cgroup_parent)
+    finally:
+        doomed.stop()
+    assert not no_leftovers(doomed.home, doomed.cgroup_parent, node_stopped=True)
+
+
+def test_node_default_disk_limit(tmp_path: Path) -> None:
+    capped = NodeProcess(tmp_path / "home", f"shoal-test-diskdefault-{os.getpid()}", SHOAL_DEFAULT_DISK_MB="24").start()
+    try:
+        with capped.client() as client:
+            with client.create(image="busybox", pool=False) as sb:
+                size_kb = int(sb.exec("df -k / | tail -1").stdout.split()[1])
+                assert 16_000 < size_kb <= 24 * 1024
+            with client.create(image="busybox", pool=False, disk_mb=48) as sb:  # the sandbox's own wins
+                assert int(sb.exec("df -k / | tail -1").stdout.split()[1]) > 32 * 1024
+    finally:
+        capped.stop()
+    assert not no_leftovers(capped.home, capped.cgroup_parent, node_stopped=True)
