@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,15 @@ def test_node_default_disk_limit(tmp_path: Path) -> None:
     finally:
         capped.stop()
     assert not no_leftovers(capped.home, capped.cgroup_parent, node_stopped=True)
+
+
+def test_snapshot_of_a_disk_limited_sandbox_keeps_its_writes(client: shoal.Client) -> None:
+    name = f"disksnap-{os.getpid()}-{time.monotonic_ns()}"
+    with client.create(image="busybox", disk_mb=16, pool=False) as sb:
+        sb.exec("echo on-its-own-disk > /root/kept")
+        sb.snapshot(name)
+    try:
+        with client.create(image=name, pool=False) as restored:
+            assert restored.exec("cat /root/kept").stdout == "on-its-own-disk\n"
+    finally:
+        client.image_rm(name)

@@ -139,7 +139,7 @@ class NodeImages:
         if sandbox.spec.kind != "container":
             raise UnsupportedKindError(f"snapshots of {sandbox.spec.kind} sandboxes are not supported yet")
         substrate = service.substrates[sandbox.spec.kind]
-        upper = sandbox.instance.directory / "upper"
+        upper = Path(sandbox.instance.extra.get("upper") or sandbox.instance.directory / "upper")
         frozen = sandbox.state.value == "paused"
         with self.store.staging() as staging:
             if not frozen:

@@ -69,9 +69,10 @@ class ContainerSubstrate(Substrate):
             (directory / "record.json").write_text(json.dumps(record))
             disk_mb = spec.disk_mb or self.default_disk_mb
             if disk_mb or shift is not None:  # formatting, copying, shifting: off the loop
-                await asyncio.to_thread(self._mount_rootfs, directory, image, disk_mb, shift)
+                upper = await asyncio.to_thread(self._mount_rootfs, directory, image, disk_mb, shift)
             else:
-                self._mount_rootfs(directory, image)
+                upper = self._mount_rootfs(directory, image)
+            instance.extra["upper"] = str(upper)
             config = bundle_config(
                 hostname="sandbox",
                 agent_binary=self.agent_binary,
@@ -106,7 +107,8 @@ class ContainerSubstrate(Substrate):
 
     def _mount_rootfs(
         self, directory: Path, image: Image, disk_mb: int | None = None, shift: int | None = None
-    ) -> None:
+    ) -> Path:
+        """Mount the overlay on rootfs/; return its upper directory (on the sandbox's own disk with disk_mb)."""
         (directory / "rootfs").mkdir()
         home = self.sandboxes_dir.parent
         base = disk.mount_disk(directory, home / "disk-templates", disk_mb, node_tag(home)) if disk_mb else directory
@@ -120,6 +122,7 @@ class ContainerSubstrate(Substrate):
         lowers = ":".join(str(layer) for layer in reversed(layers))
         options = f"lowerdir={lowers},upperdir={base / 'upper'},workdir={base / 'work'}"
         linux.mount("overlay", str(directory / "rootfs"), "overlay", 0, options)
+        return base / "upper"
 
     async def destroy(self, instance: Instance) -> None:
         runtime = self.runtime(instance.extra.get("runtime", "crun"))
