@@ -94,12 +94,11 @@ def isolation_checks() -> list[Check]:
 
     checks = []
     userns = os.environ.get("SHOAL_USERNS")
-    root = f"root → host uid {userns} (user namespace)" if userns else "root → host root (SHOAL_USERNS unset)"
     kept = ",".join(c.removeprefix("CAP_") for c in oci.CAPABILITIES)
     profile = (
-        f"namespaces pid,net,ipc,uts,mount,cgroup{',user' if userns else ''}; seccomp refuses "
-        f"{len(seccomp.DENIED_SYSCALLS)} syscalls + clone(namespaces), ptrace attach; caps {kept}; no_new_privs; "
-        f"{len(oci.MASKED_PATHS)} masked paths; /proc/sys and /sys read-only; devices deny-all; {root}"
+        f"namespaces pid,net,ipc,uts,mount,cgroup; seccomp refuses {len(seccomp.DENIED_SYSCALLS)} syscalls + "
+        f"clone(namespaces), ptrace attach; caps {kept}; no_new_privs; {len(oci.MASKED_PATHS)} masked paths; "
+        "/proc/sys and /sys read-only; devices deny-all; "
     )
     for name in ("crun", "runc", "runsc"):
         path = shutil.which(name)
@@ -110,7 +109,13 @@ def isolation_checks() -> list[Check]:
         except (OSError, subprocess.TimeoutExpired):
             version = ""
         seccomp_ok = "+SECCOMP" in version if name == "crun" else "libseccomp" in version or name == "runsc"
-        detail = ("gVisor: a user-space kernel serves every syscall; " if name == "runsc" else "") + profile
+        if name == "crun" and userns:
+            root = f"root → host uid {userns} (user namespace)"
+        elif name == "crun":
+            root = "root → host root (SHOAL_USERNS unset)"
+        else:
+            root = "root → host root (SHOAL_USERNS maps crun sandboxes only)"
+        detail = ("gVisor: a user-space kernel serves every syscall; " if name == "runsc" else "") + profile + root
         if name == "runsc":
             detail += "; OCI seccomp not applied (gVisor is the boundary); no network policy yet (no host pid)"
         checks.append(

@@ -63,7 +63,9 @@ class ContainerSubstrate(Substrate):
         )
         directory.mkdir(parents=True)
         listener: socket.socket | None = None
-        shift = self.userns_base if runtime.passes_fds else None  # gVisor keeps its own user isolation
+        # crun only: runc resolves the rootfs as the mapped user (needs a world-traversable path); gVisor has
+        # its own user isolation
+        shift = self.userns_base if runtime.name == "crun" else None
         try:
             record = {"id": sandbox_id, "kind": self.kind, "runtime": runtime.name, "cgroup": instance.cgroup_path}
             (directory / "record.json").write_text(json.dumps(record))
