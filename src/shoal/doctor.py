@@ -95,10 +95,10 @@ def isolation_checks() -> list[Check]:
     checks = []
     userns = os.environ.get("SHOAL_USERNS")
     kept = ",".join(c.removeprefix("CAP_") for c in oci.CAPABILITIES)
+    filters = f"seccomp refuses {len(seccomp.DENIED_SYSCALLS)} syscalls + clone(namespaces), ptrace attach; "
     profile = (
-        f"namespaces pid,net,ipc,uts,mount,cgroup; seccomp refuses {len(seccomp.DENIED_SYSCALLS)} syscalls + "
-        f"clone(namespaces), ptrace attach; caps {kept}; no_new_privs; {len(oci.MASKED_PATHS)} masked paths; "
-        "/proc/sys and /sys read-only; devices deny-all; "
+        f"namespaces pid,net,ipc,uts,mount,cgroup; caps {kept}; no_new_privs; {len(oci.MASKED_PATHS)} masked "
+        "paths; /proc/sys and /sys read-only; devices deny-all; "
     )
     for name in ("crun", "runc", "runsc"):
         path = shutil.which(name)
@@ -115,9 +115,11 @@ def isolation_checks() -> list[Check]:
             root = "root → host root (SHOAL_USERNS unset)"
         else:
             root = "root → host root (SHOAL_USERNS maps crun sandboxes only)"
-        detail = ("gVisor: a user-space kernel serves every syscall; " if name == "runsc" else "") + profile + root
         if name == "runsc":
-            detail += "; OCI seccomp not applied (gVisor is the boundary); no network policy yet (no host pid)"
+            detail = "gVisor: a user-space kernel serves every syscall (OCI seccomp not applied); " + profile + root
+            detail += "; no network policy yet (no host pid)"
+        else:
+            detail = filters + profile + root
         checks.append(
             Check(f"isolation {name}", seccomp_ok, detail, f"{name} was built without seccomp: install a build with it")
         )
