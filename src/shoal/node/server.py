@@ -27,6 +27,7 @@ OPS = [
     "image_ls", "image_inspect", "image_rm", "image_prune", "image_tag", "image_squash", "image_import", "image_export",
     "image_pull", "image_push",
     "sandbox_snapshot",
+    "fn_call", "fn_run_code",
 ]  # fmt: skip
 
 
