@@ -14,12 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, leftovers, no_leftovers
+from conftest import IMAGES, NodeProcess, leftovers, no_leftovers
 
 import shoal
 from shoal import FunctionError
 
-DEV_IMAGE = Path(os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/images")) / "images" / "debian-dev.json"
+DEV_IMAGE = IMAGES / "images" / "debian-dev.json"
 needs_dev = pytest.mark.skipif(
     not DEV_IMAGE.exists(), reason="image debian-dev not built (make images); it takes minutes to build"
 )
