@@ -75,6 +75,14 @@ def test_sysv_ipc_does_not_persist(client: shoal.Client) -> None:
     assert client.call("[len(open(f'/proc/sysvipc/{k}').readlines()) - 1 for k in ('shm', 'sem', 'msg')]") == [0, 0, 0]
 
 
+def test_preimported_modules(client: shoal.Client) -> None:
+    probe = "import sys\n'decimal' in sys.modules"
+    assert client.call(probe) is False
+    assert client.call(probe, preimport=["decimal"]) is True  # forked from a worker that imported it
+    with pytest.raises(shoal.InvalidRequestError, match="module name"):
+        client.call("1", preimport=["os; rm -rf /"])
+
+
 def test_globals_do_not_persist(client: shoal.Client) -> None:
     def bump() -> int:
         import json

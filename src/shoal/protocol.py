@@ -39,6 +39,7 @@ class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     owner: str | None = None
     output_cap_bytes: int | None = None
     pool: bool = True
+    preimport: list[str] = []  # function kind: modules its warm workers import before forking calls
 
     def pool_key(self) -> str:
         """Sandboxes that differ only in late-bound fields share a warm pool."""

@@ -142,7 +142,8 @@ class FunctionService:
     # ---------------------------------------------------------------- workers
 
     def _pool(self, spec: SandboxSpec, pickled: bool = False) -> WorkerPool:
-        key = WorkerKey(image=spec.image, runtime=spec.runtime, modules=PICKLED if pickled else PREIMPORT)
+        modules = (*(PICKLED if pickled else PREIMPORT), *(m for m in spec.preimport if m not in PICKLED))
+        key = WorkerKey(image=spec.image, runtime=spec.runtime, modules=modules)
         pool = self.pools.get(key)
         if pool is None:
             pool = self.pools[key] = WorkerPool(key, self._start_worker, self._stop_worker, self._may_grow)
@@ -226,8 +227,8 @@ class FunctionService:
         await self.node._image(spec.image)
         pool = self._pool(spec)
         pool.warm = max(0, size)
-        if pool.warm == 0:  # like a container pool of size 0: idle workers (also the pickled ones) go now
-            pools = (pool, self._pool(spec, pickled=True))
+        if pool.warm == 0:  # like a container pool of size 0: idle workers of the image (any modules) go now
+            pools = [each for key, each in self.pools.items() if key.image == spec.image]
             while True:
                 for each in pools:
                     each.warm = 0
@@ -252,10 +253,7 @@ class FunctionService:
             "calls": self.calls,
             "sandboxes": len(self.sandboxes),
             "max_workers": MAX_WORKERS,
-            "pools": {
-                f"{k.image}:{k.runtime}{':pickled' if 'cloudpickle' in k.modules else ''}": p.stats()
-                for k, p in self.pools.items()
-            },
+            "pools": {_pool_name(k): p.stats() for k, p in self.pools.items()},
         }
 
     # ---------------------------------------------------------------- one request through one worker
@@ -326,6 +324,9 @@ class FunctionService:
                 f"workdir {spec.workdir!r}: a function sandbox works under {', '.join(WRITABLE)} (the places a "
                 "call may write and that are wiped after it)"
             )
+        for module in spec.preimport:
+            if not all(part.isidentifier() for part in module.split(".")):
+                raise InvalidRequestError(f"preimport: {module!r} is not a module name")
         if spec.runtime not in ("crun", "runc"):
             raise InvalidRequestError(
                 f"runtime {spec.runtime!r}: function workers run on crun or runc (the node hands each worker "
@@ -591,6 +592,16 @@ class FunctionService:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _pool_name(key: WorkerKey) -> str:
+    """image:runtime, then :pickled for workers holding cloudpickle, then :+modules for extra pre-imports."""
+    extra = [m for m in key.modules if m not in PICKLED]
+    return (
+        f"{key.image}:{key.runtime}"
+        + (":pickled" if "cloudpickle" in key.modules else "")
+        + (f":+{','.join(extra)}" if extra else "")
+    )
 
 
 def _unb64(text: str) -> bytes:
