@@ -30,7 +30,7 @@ agent: venv
 	@$(PY) -c "from shoal.guest import agent_binary_path; print('agent:', agent_binary_path())"
 
 images: venv
-	@$(PY) -m shoal.images.builtin busybox debian
+	@$(PY) -m shoal.images.builtin busybox debian debian-dev
 
 demo: setup
 	$(VENV)/bin/shoal demo
@@ -42,6 +42,8 @@ bench: setup
 	$(PY) bench/bench_container.py
 	$(PY) bench/bench_images.py
 	$(PY) bench/bench_security.py --userns 100000
+	$(PY) bench/bench_function.py
+	$(PY) bench/bench_humaneval.py
 
 lint: venv
 	$(VENV)/bin/ruff check src tests bench examples

@@ -18,6 +18,7 @@ from shoal.client import (
     SandboxInfo,
     Shell,
 )
+from shoal.client.functions import FunctionError, RunCodeResult
 from shoal.errors import (
     CapacityError,
     DivergenceError,
@@ -51,12 +52,14 @@ __all__ = [
     "FileEntry",
     "Image",
     "ImageBuilder",
+    "FunctionError",
     "ImageError",
     "ImageNotFoundError",
     "InvalidRequestError",
     "NodeError",
     "NotFoundError",
     "OutputChunk",
+    "RunCodeResult",
     "Sandbox",
     "SandboxClosedError",
     "SandboxInfo",

@@ -41,6 +41,7 @@ class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     pool: bool = True
     network: str | list[str] | dict[str, bool] = "none"  # late-bound: "none", a preset, rules, {"pypi": True}
     disk_mb: int | None = None  # cap on what the sandbox may write (its overlay upper)
+    preimport: list[str] = []  # function kind: modules its warm workers import before forking calls
 
     def pool_key(self) -> str:
         """Sandboxes that differ only in late-bound fields share a warm pool."""

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal import protocol
+from shoal.client import functions
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.client.transport import Connection
 from shoal.config import Paths
@@ -72,9 +73,26 @@ class AsyncClient:
             await self._conn.close()
             self._conn = None
 
-    async def call(self, op: str, args: dict[str, Any] | None = None, **kw: Any) -> Any:
-        """One request to the node. A connection the node dropped (it restarted) is reopened first;
-        calls in flight when it dropped fail with NodeError rather than being sent twice."""
+    async def call(self, fn: Callable[..., Any] | str, *args: Any, **options: Any) -> Any:
+        """Run a function (or Python source) in a fresh isolated worker; see `shoal.client.functions.call`.
+
+        For compatibility `call("op", {...})` (an operation name and its arguments) is the raw `rpc`.
+        """
+        if _is_rpc(fn, args, options):
+            return await self.rpc(fn, *args, **options)  # type: ignore[arg-type]
+        return await functions.call(self, fn, *args, **options)
+
+    def map(self, fn: Callable[..., Any] | str, items: Any, **options: Any) -> AsyncIterator[Any]:
+        """`async for value in client.map(fn, items, concurrency=32)`: results in order, errors in place."""
+        return functions.map_calls(self, fn, items, **options)
+
+    async def run_code(self, code: str, language: str = "python", **options: Any) -> functions.RunCodeResult:
+        """Compile and run a python, bash, c or c++ program in a fresh worker; see `functions.run_code`."""
+        return await functions.run_code(self, code, language, **options)
+
+    async def rpc(self, op: str, args: dict[str, Any] | None = None, **kw: Any) -> Any:
+        """One request to the node: operation `op` with `args`. A connection the node dropped (it restarted)
+        is reopened first; calls in flight when it dropped fail with NodeError rather than being sent twice."""
         if self._conn is not None and self._conn.broken:
             await self._conn.close()
             self._conn = None
@@ -216,6 +234,17 @@ class AsyncClient:
         return await self.call("image_export", {"name": name, "path": os.path.abspath(path)})
 
 
+def _is_rpc(fn: Any, args: tuple, options: dict[str, Any]) -> bool:
+    """A bare operation name with at most one dict is an RPC (as Python source it could only raise NameError)."""
+    return (
+        isinstance(fn, str)
+        and fn.isidentifier()
+        and len(args) <= 1
+        and all(a is None or isinstance(a, dict) for a in args)
+        and set(options) <= {"on_event", "on_orphan"}
+    )
+
+
 class ExecStream:
     """`async for chunk in sandbox.exec_stream(...)` yields OutputChunk(stream, data); `.result` after."""
 
@@ -323,6 +352,10 @@ class AsyncSandbox:
     async def shell(self) -> AsyncShell:
         """A persistent shell: working directory and environment carry over between `run` calls."""
         return AsyncShell(self, await self.client.call("shell_open", {"sandbox_id": self.id}))
+
+    async def call(self, fn: Callable[..., Any] | str, *args: Any, **options: Any) -> Any:
+        """(function sandboxes) Run `fn` in a fresh worker with this sandbox's image, limits, env and files."""
+        return await functions.call(self.client, fn, *args, sandbox_id=self.id, **options)
 
     async def refresh(self) -> SandboxInfo:
         self.info = protocol.convert(await self.client.call("get", {"sandbox_id": self.id}), SandboxInfo)

@@ -6,10 +6,11 @@ import asyncio
 import os
 import queue
 import threading
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from shoal.client.aio import DEFAULT_TIMEOUT, AsyncClient, AsyncFiles, AsyncSandbox, AsyncShell, ExecStream
+from shoal.client.functions import RunCodeResult
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.images.builder import ImageBuilder
 from shoal.protocol import OutputChunk
@@ -77,6 +78,15 @@ class Client:
 
     def get(self, sandbox_id: str) -> Sandbox:
         return Sandbox(self, self._run(self._async.get(sandbox_id)))
+
+    def call(self, fn: Callable[..., Any] | str, *args: Any, **options: Any) -> Any:
+        return self._run(self._async.call(fn, *args, **options))
+
+    def map(self, fn: Callable[..., Any] | str, items: Iterable[Any], **options: Any) -> Iterator[Any]:
+        return _iterate(self, self._async.map(fn, items, **options))
+
+    def run_code(self, code: str, language: str = "python", **options: Any) -> RunCodeResult:
+        return self._run(self._async.run_code(code, language, **options))
 
     def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         return self._run(self._async.list(labels))
@@ -163,6 +173,9 @@ class Sandbox:
     def shell(self) -> Shell:
         return Shell(self._client, self._client._run(self._inner.shell()))
 
+    def call(self, fn: Callable[..., Any] | str, *args: Any, **options: Any) -> Any:
+        return self._client._run(self._inner.call(fn, *args, **options))
+
     def refresh(self) -> SandboxInfo:
         return self._client._run(self._inner.refresh())
 
@@ -178,6 +191,38 @@ class Sandbox:
 
     def close(self) -> None:
         self._client._run(self._inner.close())
+
+
+def _iterate(client: Client, source: AsyncIterator[T]) -> Iterator[T]:
+    """Drive an async iterator on the client's loop thread, yielding its items here as they come."""
+    items: queue.Queue[Any] = queue.Queue(maxsize=1024)
+    done = object()
+
+    async def pump() -> None:
+        try:
+            async for item in source:
+                try:
+                    items.put_nowait(item)
+                except queue.Full:  # the consumer is behind: wait without blocking the loop
+                    await asyncio.to_thread(items.put, item)
+        except BaseException as exc:  # hand the failure to the iterating thread
+            items.put(_Failure(exc))
+        finally:
+            items.put(done)
+
+    future = asyncio.run_coroutine_threadsafe(pump(), client._loop.loop)
+    try:
+        while (item := items.get()) is not done:
+            if isinstance(item, _Failure):
+                raise item.exc
+            yield item
+    finally:
+        future.cancel()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
 
 
 class SyncExecStream:

@@ -1,4 +1,5 @@
-"""Builders of the images shoal ships: `busybox` (tiny, instant) and `debian` (minbase via mmdebstrap)."""
+"""Builders of the images shoal ships: `busybox` (tiny, instant), `debian` (minbase via mmdebstrap) and
+`debian-dev` (debian plus the C and C++ toolchains, for `run_code`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from shoal.images.store import ImageConfig, ImageStore
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEBIAN_SUITE = os.environ.get("SHOAL_DEBIAN_SUITE", "bookworm")
 DEBIAN_PACKAGES = ["bash", "coreutils", "python3", "ca-certificates", "procps"]
+DEBIAN_DEV_PACKAGES = [*DEBIAN_PACKAGES, "gcc", "g++", "libc6-dev"]
 
 _SKELETON_DIRS = ["proc", "sys", "dev", "tmp", "etc", "root", "work", "run", "var/tmp", ".shoal"]
 _PASSWD = "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
@@ -41,7 +43,7 @@ def build_busybox(rootfs: Path) -> ImageConfig:
     return ImageConfig(env={"PATH": DEFAULT_PATH, "HOME": "/root"}, shell=["/bin/sh"])
 
 
-def build_debian(rootfs: Path) -> ImageConfig:
+def build_debian(rootfs: Path, packages: list[str] = DEBIAN_PACKAGES) -> ImageConfig:
     """Debian minbase with bash, coreutils and python3, from the host's apt sources."""
     if shutil.which("mmdebstrap") is None:
         raise ImageError("mmdebstrap is not installed: `apt-get install mmdebstrap`")
@@ -50,7 +52,7 @@ def build_debian(rootfs: Path) -> ImageConfig:
         "mmdebstrap",
         "--variant=minbase",
         "--quiet",
-        f"--include={','.join(DEBIAN_PACKAGES)}",
+        f"--include={','.join(packages)}",
         "--dpkgopt=path-exclude=/usr/share/doc/*",
         "--dpkgopt=path-exclude=/usr/share/man/*",
         "--dpkgopt=path-exclude=/usr/share/locale/*",
@@ -69,6 +71,11 @@ def build_debian(rootfs: Path) -> ImageConfig:
     return ImageConfig(env={"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}, shell=["/bin/bash"])
 
 
+def build_debian_dev(rootfs: Path) -> ImageConfig:
+    """`debian` plus gcc, g++ and libc headers: what `run_code` needs for c and c++."""
+    return build_debian(rootfs, DEBIAN_DEV_PACKAGES)
+
+
 def _host_apt_sources() -> list[str]:
     """The host's apt source files (mmdebstrap reads .list and .sources files given as mirrors)."""
     found = sorted(str(p) for p in Path("/etc/apt/sources.list.d").glob("*.sources"))
@@ -82,6 +89,7 @@ def _host_apt_sources() -> list[str]:
 def register_builtins(store: ImageStore) -> ImageStore:
     store.register_builtin("busybox", build_busybox)
     store.register_builtin("debian", build_debian)
+    store.register_builtin("debian-dev", build_debian_dev)
     return store
 
 

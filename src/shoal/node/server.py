@@ -30,6 +30,7 @@ OPS = [
     "image_pull", "image_push",
     "sandbox_snapshot",
     "set_network",
+    "fn_call", "fn_run_code",
 ]  # fmt: skip
 
 

@@ -35,6 +35,7 @@ from shoal.node.shell import ShellSession
 from shoal.protocol import KINDS, ExecRequest, ExecResult, FileEntry, OutputChunk, SandboxInfo, SandboxSpec
 from shoal.substrates import Substrate
 from shoal.substrates.container import ContainerSubstrate
+from shoal.substrates.function import FunctionService
 
 log = logging.getLogger("shoal.node")
 
@@ -61,6 +62,7 @@ class NodeService:
         self.started_at = time.time()
         self._creating = 0
         self._reaper: asyncio.Task | None = None
+        self.functions = FunctionService(self)
 
     # ---------------------------------------------------------------- lifecycle of the node
 
@@ -71,6 +73,7 @@ class NodeService:
         await asyncio.to_thread(self.node_images.reconcile)
         await self.network.cleanup_all()  # sandboxes of an earlier node are gone: so is their plumbing
         self._reaper = asyncio.create_task(self._reap_forever())
+        await self.functions.start()
         for shape, size in self.settings.pool_sizes.items():  # SHOAL_POOLS="busybox=4,container:debian=2"
             kind, _, image = shape.partition(":")  # image names may hold colons (HOST:PORT/REPO:TAG)
             if kind not in KINDS:
@@ -81,6 +84,7 @@ class NodeService:
         """Close every sandbox this node owns (a clean shutdown leaves nothing behind)."""
         if self._reaper:
             self._reaper.cancel()
+        await self.functions.stop()
         await self.pools.drain()
         await asyncio.gather(*(self.kill(i, reason="node shut down") for i in list(self.sandboxes)))
         await asyncio.to_thread(self.node_images.mounts.release_all)
@@ -115,10 +119,12 @@ class NodeService:
         return {"node_id": self.settings.node_id, "pid": os.getpid(), "kinds": self.kinds()}
 
     def kinds(self) -> list[str]:
-        return sorted(self.substrates)
+        return sorted([*self.substrates, "function"])
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         self._validate(spec)
+        if spec.kind == "function":
+            return await self.functions.create(spec)
         now = time.time()
         sandbox = self.pools.take(spec) if spec.pool else None
         if sandbox is None:
@@ -137,7 +143,7 @@ class NodeService:
         return sandbox.info()
 
     def _validate(self, spec: SandboxSpec) -> None:
-        if spec.kind not in self.substrates:
+        if spec.kind not in self.substrates and spec.kind != "function":
             known = "unknown kind" if spec.kind not in KINDS else "not available on this node yet"
             raise UnsupportedKindError(f"kind {spec.kind!r}: {known}; kinds available here: {', '.join(self.kinds())}")
         cores = os.cpu_count() or 1
@@ -284,6 +290,8 @@ class NodeService:
         return sandbox
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
+        if self.functions.owns(sandbox_id):
+            return self.functions.get(sandbox_id).info()
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
             self._get(sandbox_id)  # raises the precise error
@@ -291,9 +299,11 @@ class NodeService:
         return sandbox.info()
 
     async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
-        return [s.info() for s in self.sandboxes.values() if s.matches(labels)]
+        return [s.info() for s in self.sandboxes.values() if s.matches(labels)] + self.functions.list(labels)
 
     async def kill(self, sandbox_id: str, reason: str = "closed by the client") -> None:
+        if self.functions.owns(sandbox_id):
+            return self.functions.kill(sandbox_id, reason)
         sandbox = self.sandboxes.pop(sandbox_id, None)
         if sandbox is None:
             if sandbox_id in self.closed:
@@ -313,10 +323,13 @@ class NodeService:
 
     async def close_all(self, labels: dict[str, str] | None = None) -> int:
         doomed = [s.id for s in self.sandboxes.values() if s.matches(labels)]
+        doomed += [s.id for s in self.functions.list(labels)]
         await asyncio.gather(*(self.kill(i) for i in doomed))
         return len(doomed)
 
     async def keepalive(self, sandbox_id: str, ttl_s: float | None = None) -> SandboxInfo:
+        if self.functions.owns(sandbox_id):
+            return self.functions.keepalive(sandbox_id, ttl_s)
         sandbox = self._get(sandbox_id)
         ttl = ttl_s or sandbox.spec.ttl_s
         if ttl:
@@ -359,6 +372,8 @@ class NodeService:
     # ---------------------------------------------------------------- exec
 
     async def exec(self, req: ExecRequest, emit: Emit | None = None) -> ExecResult:
+        if self.functions.owns(req.sandbox_id):
+            return await self.functions.exec(req, emit)
         sandbox = self._get(req.sandbox_id)
         argv = list(req.cmd) if isinstance(req.cmd, list) else [*sandbox.shell, "-c", req.cmd]
         if not argv:
@@ -464,6 +479,8 @@ class NodeService:
             raise await self._lost(sandbox, exc) from exc
 
     async def file_write(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, append: bool = False) -> int:
+        if self.functions.owns(sandbox_id):
+            return self.functions.file_write(sandbox_id, path, data, mode, append)
         sandbox = self._get(sandbox_id)
         return await self._agent_call(
             sandbox_id,
@@ -477,26 +494,38 @@ class NodeService:
         )
 
     async def file_read(self, sandbox_id: str, path: str, max_bytes: int = 256 << 20) -> bytes:
+        if self.functions.owns(sandbox_id):
+            return self.functions.file_read(sandbox_id, path, max_bytes)
         return await self._agent_call(sandbox_id, "read_file", _abs(path, self._get(sandbox_id)), max_bytes)
 
     async def file_list(self, sandbox_id: str, path: str, recursive: bool = False) -> list[FileEntry]:
+        if self.functions.owns(sandbox_id):
+            return self.functions.file_list(sandbox_id, path, recursive)
         entries = await self._agent_call(sandbox_id, "list_dir", _abs(path, self._get(sandbox_id)), recursive)
         return [_entry(e) for e in entries]
 
     async def file_stat(self, sandbox_id: str, path: str) -> FileEntry | None:
+        if self.functions.owns(sandbox_id):
+            return self.functions.file_stat(sandbox_id, path)
         entry = await self._agent_call(sandbox_id, "stat", _abs(path, self._get(sandbox_id)))
         return None if entry is None else _entry(entry)
 
     async def file_mkdir(self, sandbox_id: str, path: str) -> None:
+        if self.functions.owns(sandbox_id):
+            return self.functions.file_mkdir(sandbox_id, path)
         sandbox = self._get(sandbox_id)
         await self._agent_call(sandbox_id, "mkdir", _abs(path, sandbox), uid=sandbox.uid, gid=sandbox.gid, parents=True)
 
     async def file_remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        if self.functions.owns(sandbox_id):
+            return self.functions.file_remove(sandbox_id, path, recursive)
         await self._agent_call(sandbox_id, "remove", _abs(path, self._get(sandbox_id)), recursive=recursive)
 
     # ---------------------------------------------------------------- shells
 
     async def shell_open(self, sandbox_id: str) -> str:
+        if self.functions.owns(sandbox_id):
+            raise InvalidRequestError("function sandboxes keep no state between calls, so no shells: use a container")
         sandbox = self._get(sandbox_id)
         argv = [
             "/bin/sh",
@@ -537,11 +566,37 @@ class NodeService:
 
     async def pool_set(self, spec: SandboxSpec, size: int, wait: bool = False) -> dict[str, Any]:
         self._validate(spec)
+        if spec.kind == "function":
+            return await self.functions.set_warm(spec, size, wait)
         await self.node_images.resolve(spec.image, spec.layers)
         await self.pools.configure(spec, size)
         if wait:
             await self.pools.wait_full(spec)
         return self.pools.stats()
+
+    # ---------------------------------------------------------------- function calls (substrates/function)
+
+    async def fn_call(
+        self, spec: SandboxSpec, call: dict[str, Any], timeout: float | None = None, sandbox_id: str | None = None
+    ) -> dict[str, Any]:
+        self._validate(spec)
+        return await self.functions.call(spec, call, timeout, sandbox_id)
+
+    async def fn_run_code(
+        self,
+        spec: SandboxSpec,
+        code: str,
+        language: str = "python",
+        stdin: bytes | None = None,
+        files: dict[str, bytes] | None = None,
+        compile_timeout: float | None = 30.0,
+        run_timeout: float | None = 10.0,
+        output_files: list[str] | None = None,
+    ) -> dict[str, Any]:
+        self._validate(spec)
+        return await self.functions.run_code(
+            spec, language, code, stdin, files or {}, compile_timeout, run_timeout, output_files or []
+        )
 
     async def image_build(
         self,
@@ -620,6 +675,7 @@ class NodeService:
             "pool_hits": self.pools.hits,
             "pool_misses": self.pools.misses,
             "shells": len(self.shells),
+            "functions": self.functions.stats(),
             "home": str(self.paths.home),
         }
 

@@ -1,0 +1,251 @@
+"""Function workers as the node sees them: a container sandbox running `worker.py`, and per-image pools.
+
+A `WorkerPool` keeps warm workers of one shape (image, runtime, pre-imported modules). A call leases one
+worker for its duration; when none is idle the pool starts another, within the node-wide budget, so pool
+sizes follow demand; idle workers above the warm minimum are retired after `IDLE_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+import socket
+import struct
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shoal.errors import ImageError, SandboxLostError
+from shoal.node.sandbox import Sandbox
+from shoal.substrates.function import limits as call_limits
+from shoal.substrates.function.limits import CallLimits
+
+log = logging.getLogger("shoal.functions")
+
+WORKER_DIR = "/run/shoal-fn"
+SOCKET = f"{WORKER_DIR}/worker.sock"
+CALL_UID = CALL_GID = 65534  # "nobody": calls hold no capabilities and own nothing outside their scratch dirs
+IDLE_S = float(os.environ.get("SHOAL_FN_IDLE_S", "60"))
+GROW_AFTER_S = 0.05
+RECYCLE_AFTER = 10_000  # calls; a fresh worker now and then bounds whatever slowly accumulates
+_LEN = struct.Struct(">I")
+_SOURCE = Path(__file__).with_name("worker.py")
+
+
+@dataclass(frozen=True)
+class WorkerKey:
+    image: str
+    runtime: str
+    modules: tuple[str, ...]
+
+
+@dataclass(eq=False)
+class Worker:
+    key: WorkerKey
+    sandbox: Sandbox
+    dirs: list[Path]
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    process: Any  # the agent's ExecProcess running worker.py
+    python: str
+    limits: CallLimits | None = None
+    calls: int = 0
+    ooms: int = 0  # the call cgroup's OOM kill count when last read
+    idle_since: float = field(default_factory=time.monotonic)
+    broken: bool = False
+    aborting: asyncio.Future | None = None
+    watcher: asyncio.Future | None = None  # drains the worker process's own output; marks it broken on exit
+
+    async def run(self, request: dict[str, Any], limits: CallLimits, budget_s: float) -> dict[str, Any]:
+        """Send one request and wait for its reply; a cancelled caller aborts the call in the worker."""
+        if limits != self.limits:
+            await asyncio.to_thread(call_limits.apply, self.dirs, limits)
+            self.limits = limits
+        # the cpu hierarchy only when a cpu limit applies: every cgroup a child joins costs it a migration
+        request["join"] = [i for i, d in enumerate(self.dirs) if limits.cpu or not call_limits.is_cpu(d)]
+        body = json.dumps(request, separators=(",", ":")).encode()
+        self.calls += 1
+        try:
+            self.writer.write(_LEN.pack(len(body)) + body)
+            reply = await asyncio.wait_for(self._read(), budget_s)
+        except asyncio.CancelledError:
+            self.aborting = asyncio.ensure_future(self._abort())
+            raise
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            self.broken = True
+            raise SandboxLostError(f"function worker {self.sandbox.id} stopped answering: {exc}") from exc
+        reply["oom_killed"] = False
+        if any(step.get("signal") == 9 for step in reply.get("steps", ())):  # only a SIGKILL can be an OOM kill
+            ooms = await asyncio.to_thread(call_limits.oom_kills, self.dirs)
+            reply["oom_killed"] = ooms > self.ooms
+            self.ooms = ooms
+        return reply
+
+    async def _read(self) -> dict[str, Any]:
+        (length,) = _LEN.unpack(await self.reader.readexactly(4))
+        return json.loads(await self.reader.readexactly(length))
+
+    async def _abort(self) -> None:
+        """The caller went away mid-call: stop the call, read its (discarded) reply, keep the worker usable."""
+        try:
+            body = b'{"abort":true}'
+            self.writer.write(_LEN.pack(len(body)) + body)
+            await asyncio.wait_for(self._read(), 10)
+        except Exception:  # noqa: BLE001 - the pool retires a broken worker
+            self.broken = True
+
+
+Starter = Callable[[WorkerKey], Awaitable[Worker]]
+Stopper = Callable[[Worker], Awaitable[None]]
+
+
+class WorkerPool:
+    """Warm workers of one key; `lease()` hands out an idle one or waits for one (starting more if allowed)."""
+
+    def __init__(self, key: WorkerKey, start: Starter, stop: Stopper, may_grow: Callable[[], bool]) -> None:
+        self.key = key
+        self._start = start
+        self._stop = stop
+        self._may_grow = may_grow
+        self.idle: deque[Worker] = deque()
+        self.busy: set[Worker] = set()
+        self.starting = 0
+        self.warm = 0
+        self.waiters: deque[asyncio.Future[Worker]] = deque()
+        self.tasks: set[asyncio.Task] = set()
+        self.last_error: BaseException | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.idle) + len(self.busy) + self.starting
+
+    async def lease(self) -> Worker:
+        while self.idle:
+            worker = self.idle.pop()  # the most recently used: its pages are warm
+            if worker.broken:  # died while idle (its process exited): replace it
+                self._spawn(self._stop(worker))
+                continue
+            self.busy.add(worker)
+            return worker
+        future: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
+        self.waiters.append(future)
+        if self.size == 0:
+            self.grow()
+        else:  # a busy worker usually frees up within milliseconds; start another only if the wait persists
+            asyncio.get_running_loop().call_later(GROW_AFTER_S, self.grow)
+        try:
+            worker = await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.release(future.result())
+            else:
+                try:
+                    self.waiters.remove(future)
+                except ValueError:
+                    pass
+            raise
+        return worker
+
+    def grow(self) -> None:
+        """Start workers while calls wait for more than are starting (or the pool is below its warm size)."""
+        while self.starting < len(self.waiters) or self.size < self.warm:
+            # within the budget (evicting another pool's idle worker if need be); a pool without any
+            # worker gets one regardless, so a call never waits on workers that can never serve it
+            if not self._may_grow() and self.size > 0:
+                break
+            self.starting += 1
+            self._spawn(self._start_one())
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _start_one(self) -> None:
+        try:
+            worker = await self._start(self.key)
+        except Exception as exc:
+            self.starting -= 1
+            self.last_error = exc
+            log.warning("function pool %s: a worker failed to start: %s", self.key, exc)
+            while self.waiters:  # they would wait forever: tell them why
+                future = self.waiters.popleft()
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        self.starting -= 1
+        self.last_error = None
+        self.busy.add(worker)
+        self.release(worker)
+
+    def release(self, worker: Worker) -> None:
+        """Return a leased worker: to a waiting call, to the idle set, or (if broken or old) to be replaced."""
+        self.busy.discard(worker)
+        if worker.aborting is not None:  # an abort is in flight: release once it has settled
+            self.busy.add(worker)
+            self._spawn(self._release_after_abort(worker))
+            return
+        if worker.broken or worker.calls >= RECYCLE_AFTER:
+            self._spawn(self._stop(worker))
+            self.grow()
+            return
+        while self.waiters:
+            future = self.waiters.popleft()
+            if not future.done():
+                self.busy.add(worker)
+                future.set_result(worker)
+                return
+        worker.idle_since = time.monotonic()
+        self.idle.append(worker)
+
+    async def _release_after_abort(self, worker: Worker) -> None:
+        assert worker.aborting is not None
+        await worker.aborting
+        worker.aborting = None
+        self.busy.discard(worker)
+        self.release(worker)
+
+    def retire_idle(self, now: float, idle_s: float) -> list[Worker]:
+        """Idle workers past `idle_s` beyond the warm minimum, removed from the pool (the caller stops them)."""
+        doomed = []
+        while len(self.idle) > self.warm and self.idle and now - self.idle[0].idle_since > idle_s:
+            doomed.append(self.idle.popleft())
+        return doomed
+
+    def evict_one(self) -> Worker | None:
+        return self.idle.popleft() if self.idle and self.size > self.warm else None
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "idle": len(self.idle),
+            "busy": len(self.busy),
+            "starting": self.starting,
+            "waiting": len(self.waiters),
+            "warm": self.warm,
+        }
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def hand_over(sock: socket.socket, fds: list[int]) -> None:
+    """The hello frame: one byte carrying the call cgroup's cgroup.procs descriptors."""
+    sock.sendmsg([b"h"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))])
+
+
+def worker_source() -> bytes:
+    return _SOURCE.read_bytes()
+
+
+def no_python_error(image: str) -> ImageError:
+    return ImageError(
+        f"image {image!r} has no python3, which function workers need: use 'debian' or 'debian-dev', "
+        "or an image with python3 on its PATH"
+    )

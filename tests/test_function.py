@@ -1,0 +1,428 @@
+"""The `function` kind end to end: warm workers in real containers, a fresh forked child per call."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import IMAGES, NodeProcess, leftovers, no_leftovers
+
+import shoal
+from shoal import FunctionError
+
+DEV_IMAGE = IMAGES / "images" / "debian-dev.json"
+needs_dev = pytest.mark.skipif(
+    not DEV_IMAGE.exists(), reason="image debian-dev not built (make images); it takes minutes to build"
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _workers_retired(client: shoal.Client, node: NodeProcess) -> Iterator[None]:
+    """Warm workers are sandboxes of the node: retire them so later leak checks see an idle node."""
+    yield
+    for image in ("debian", "debian-dev"):
+        client.set_pool("function", image, size=0, wait=True)
+    assert not no_leftovers(node.home, node.cgroup_parent)
+
+
+@pytest.fixture
+def fn(client: shoal.Client):  # noqa: ANN201
+    with client.create("function", image="debian") as sandbox:
+        yield sandbox
+
+
+# ---------------------------------------------------------------- the sandbox-shaped handle
+
+
+def test_exec_like_a_container(fn: shoal.Sandbox) -> None:
+    r = fn.exec("echo hi && echo oops >&2 && exit 3")
+    assert (r.exit_code, r.stdout, r.stderr) == (3, "hi\n", "oops\n")
+    assert fn.exec(["python3", "-c", "import sys; print(sys.argv[1:])", "a b"]).stdout == "['a b']\n"
+    assert fn.exec("cat", stdin="piped").stdout == "piped"
+    assert fn.exec("echo $A", env={"A": "1"}).stdout == "1\n"
+    assert fn.exec("pwd; id -un").stdout == "/work\nnobody\n"
+    assert fn.exec(["/no/such/binary"]).exit_code == 127
+    assert fn.info.kind == "function"
+    assert fn.id in [i.id for i in fn._client.list()]
+
+
+def test_nothing_persists_between_calls(fn: shoal.Sandbox) -> None:
+    wrote = fn.exec("for d in /work /tmp /var/tmp /dev/shm; do echo x > $d/mark && echo ok; done; (sleep 300 &)")
+    assert wrote.stdout == "ok\n" * 4
+    after = fn.exec("ls -A /work /tmp /var/tmp /dev/shm; pgrep -c -x sleep || true")
+    assert "mark" not in after.stdout
+    assert after.stdout.strip().endswith("0"), after.stdout  # the background sleep was killed with its call
+    cannot = fn.exec("touch /etc/x /root/x /usr/x /run/lock/x 2>&1; echo $?")
+    assert "Permission denied" in cannot.stdout
+
+
+def test_sysv_ipc_does_not_persist(client: shoal.Client) -> None:
+    make = (
+        "import ctypes\nlibc = ctypes.CDLL(None)\n"
+        "shm = libc.shmget(0x5A5A, 4096, 0o1666)\nsem = libc.semget(0x5A5B, 1, 0o1666)\n"
+        "msg = libc.msgget(0x5A5C, 0o1666)\n[shm >= 0, sem >= 0, msg >= 0]"
+    )
+    assert client.call(make) == [True, True, True]
+    assert client.call("[len(open(f'/proc/sysvipc/{k}').readlines()) - 1 for k in ('shm', 'sem', 'msg')]") == [0, 0, 0]
+
+
+def test_preimported_modules(client: shoal.Client) -> None:
+    probe = "import sys\n'decimal' in sys.modules"
+    assert client.call(probe) is False
+    assert client.call(probe, preimport=["decimal"]) is True  # forked from a worker that imported it
+    with pytest.raises(shoal.InvalidRequestError, match="module name"):
+        client.call("1", preimport=["os; rm -rf /"])
+
+
+def test_globals_do_not_persist(client: shoal.Client) -> None:
+    def bump() -> int:
+        import json
+
+        json.shoal_counter = getattr(json, "shoal_counter", 0) + 1  # a module pre-imported by the worker
+        return json.shoal_counter
+
+    assert [client.call(bump) for _ in range(3)] == [1, 1, 1]
+
+
+def test_staged_files_are_inputs(fn: shoal.Sandbox) -> None:
+    fn.files.write("data.txt", "input")
+    fn.files.write("/work/bin/run.sh", "#!/bin/sh\necho ran $(cat /work/data.txt)\n", mode=0o755)
+    assert fn.exec("bin/run.sh").stdout == "ran input\n"
+    assert fn.exec("cat data.txt; echo more >> data.txt; cat data.txt").stdout == "inputinputmore\n"
+    assert fn.files.read_text("data.txt") == "input"  # what a call writes is discarded
+    assert {e.name for e in fn.files.list("/work")} == {"data.txt", "bin"}
+    assert fn.files.exists("/work/bin/run.sh") and not fn.files.exists("/work/nope")
+    fn.files.remove("data.txt")
+    assert fn.exec("ls /work").stdout == "bin\n"
+    with pytest.raises(shoal.InvalidRequestError, match="/work"):
+        fn.files.write("/etc/passwd", "x")
+
+
+def test_create_options(client: shoal.Client) -> None:
+    with client.create(
+        "function", image="debian", env={"A": "1"}, workdir="/work/p", files={"/work/p/f": "F\n"}, labels={"t": "fo"}
+    ) as sb:
+        assert sb.exec("echo $A; pwd; cat f").stdout == "1\n/work/p\nF\n"
+        assert [i.id for i in client.list(labels={"t": "fo"})] == [sb.id]
+        assert sb.call("open('f').read()") == "F\n"
+    with pytest.raises(shoal.SandboxClosedError):
+        sb.exec("true")
+
+
+def test_bad_options_name_the_remedy(client: shoal.Client) -> None:
+    with pytest.raises(shoal.InvalidRequestError, match="nobody"):
+        client.create("function", user="root")
+    with pytest.raises(shoal.InvalidRequestError, match="workdir"):
+        client.create("function", workdir="/srv")
+    with pytest.raises(shoal.ImageError, match="python3"):
+        client.call("1", image="busybox")
+    with client.create("function") as sb, pytest.raises(shoal.InvalidRequestError, match="container"):
+        sb.shell()
+
+
+# ---------------------------------------------------------------- call and map
+
+
+def test_call_functions_and_source(client: shoal.Client) -> None:
+    base = 10
+
+    def add(a: int, b: int = 0) -> dict:
+        return {"sum": a + b + base}
+
+    assert client.call(add, 1, kwargs={"b": 2}) == {"sum": 13}
+    assert client.call("def f(x):\n    return [x, x]\n", "y", entry="f") == ["y", "y"]
+    assert client.call("import math\nmath.factorial(5)") == 120
+    assert client.call("x = 1") is None
+
+
+def test_call_errors_are_per_call(client: shoal.Client) -> None:
+    with pytest.raises(FunctionError) as info:
+        client.call("print('before'); 1/0")
+    assert info.value.type == "ZeroDivisionError" and "before" in info.value.stdout
+    assert "ZeroDivisionError" in info.value.remote_traceback
+    with pytest.raises(FunctionError, match="SyntaxError"):
+        client.call("def (:")
+    with pytest.raises(FunctionError, match="not JSON"):
+        client.call("object()")
+    with pytest.raises(FunctionError, match="SystemExit"):
+        client.call("import sys; sys.exit(3)")
+    with pytest.raises(FunctionError) as crash:
+        client.call("import ctypes; ctypes.string_at(0)")
+    assert crash.value.type == "WorkerCrashed" and "signal 11" in crash.value.message
+    assert client.call("'still fine'") == "still fine"
+
+
+def test_timeouts_and_limits(client: shoal.Client) -> None:
+    started = time.monotonic()
+    with pytest.raises(FunctionError) as loop:
+        client.call("while True: pass", timeout=1)
+    assert loop.value.timed_out and loop.value.type == "TimeoutError"
+    assert time.monotonic() - started < 5
+    with pytest.raises(FunctionError) as bomb:
+        client.call("x = []\nwhile True: x.append(bytearray(1 << 20))", memory_mb=64, timeout=20)
+    assert bomb.value.oom_killed and bomb.value.type == "MemoryError", bomb.value
+    fork = "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass"
+    with pytest.raises(FunctionError) as forks:
+        client.call(fork, pids=32, timeout=2)
+    assert forks.value.timed_out
+    with client.create("function", output_cap_bytes=1 << 16) as sb:
+        r = sb.exec("yes | head -c 5000000")
+        assert r.truncated and len(r.stdout_bytes) == 1 << 16
+        assert sb.exec("nproc; cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || true").exit_code == 0
+    assert client.call("sum(range(10))") == 45  # the pool recovered
+
+
+def test_bad_call_does_not_disturb_others(client: shoal.Client) -> None:
+    results: dict[str, object] = {}
+
+    def bomb() -> None:
+        try:
+            client.call("import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", pids=16, timeout=3)
+        except FunctionError as exc:
+            results["bomb"] = exc.type
+
+    thread = threading.Thread(target=bomb)
+    thread.start()
+    time.sleep(0.3)
+    results["good"] = [client.call("2 * 21") for _ in range(20)]
+    thread.join()
+    assert results == {"bomb": "TimeoutError", "good": [42] * 20}
+
+
+def test_no_network(client: shoal.Client) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    probe = f"""
+import socket
+out = []
+for host in ("127.0.0.1", "1.1.1.1"):
+    s = socket.socket(); s.settimeout(1)
+    try:
+        s.connect((host, {port} if host == "127.0.0.1" else 53)); out.append("connected")
+    except OSError as exc:
+        out.append(type(exc).__name__)
+out
+"""
+    try:
+        assert "connected" not in client.call(probe)
+    finally:
+        server.close()
+
+
+def test_map_in_order_with_errors(client: shoal.Client) -> None:
+    def inverse(x: int) -> float:
+        return 1 / x
+
+    out = list(client.map(inverse, [1, 2, 0, 4], concurrency=3))
+    assert out[0] == 1.0 and out[1] == 0.5 and out[3] == 0.25
+    assert isinstance(out[2], FunctionError) and out[2].type == "ZeroDivisionError"
+    assert list(client.map("def f(a, b):\n    return a * b", [(2, 3), (4, 5)], entry="f", star=True)) == [6, 20]
+
+
+async def test_async_map_and_cancellation(aclient: shoal.AsyncClient) -> None:
+    squares = [v async for v in aclient.map(lambda x: x * x, range(50), concurrency=8)]
+    assert squares == [x * x for x in range(50)]
+    task = asyncio.ensure_future(aclient.call("import time; time.sleep(30)", timeout=60))
+    await asyncio.sleep(1.0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    results = await asyncio.gather(*(aclient.call("'ok'") for _ in range(10)))
+    assert results == ["ok"] * 10
+    status = (await aclient.status())["functions"]
+    assert all(p["waiting"] == 0 for p in status["pools"].values())
+
+
+def test_hostile_results_stay_data(client: shoal.Client, tmp_path: Path) -> None:
+    """A call can forge its own result channel; whatever it sends is parsed as JSON, never unpickled."""
+    marker = tmp_path / "pwned"
+    forge = (
+        "import json, os, pickle\n"
+        "class P:\n"
+        f"    def __reduce__(self): return (os.system, ('touch {marker}',))\n"
+        "blob = pickle.dumps(P()).decode('latin-1')\n"
+        "value = {VALUE}\n"
+        "os.write(3, json.dumps({{'ok': True, 'value': value}}).encode())\n"
+        "os._exit(0)\n"
+    )
+    value = client.call(forge.replace("{VALUE}", "json.dumps(blob)").replace("{{", "{").replace("}}", "}"))
+    assert isinstance(value, str) and "system" in value  # the pickle arrives as a plain string
+    with pytest.raises(FunctionError) as raw:  # a bare pickle where JSON belongs
+        client.call(forge.replace("{VALUE}", "blob").replace("{{", "{").replace("}}", "}"))
+    assert raw.value.type == "MalformedResult"
+    with pytest.raises(FunctionError, match="MalformedResult"):
+        client.call("import os; os.write(3, b'\\x80\\x04garbage'); os._exit(0)")
+    assert client.call("__import__('pickle').dumps(3).decode('latin-1')") == "\x80\x04K\x03."
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------- run_code
+
+
+@needs_dev
+def test_run_code_languages(client: shoal.Client) -> None:
+    py = client.run_code("import sys; print(sys.stdin.read().upper())", "python", stdin="abc")
+    assert py.ok and py.stdout == "ABC\n" and py.compile is None
+    sh = client.run_code(
+        "echo $((6*7)) > out.txt; cat in.txt", "bash", files={"in.txt": "in"}, output_files=["out.txt"]
+    )
+    assert sh.ok and sh.stdout == "in" and sh.files == {"out.txt": b"42\n"}
+    c = client.run_code(
+        '#include <stdio.h>\nint main(){int a,b;scanf("%d %d",&a,&b);printf("%d\\n",a+b);}', "c", stdin="2 3"
+    )
+    assert c.ok and c.stdout == "5\n" and c.compile is not None and c.compile.exit_code == 0
+    cpp = client.run_code('#include <iostream>\nint main(){std::cout<<"hi"<<std::endl;return 4;}', "c++")
+    assert cpp.status == "runtime_error" and cpp.run is not None and cpp.run.exit_code == 4 and cpp.stdout == "hi\n"
+    bad = client.run_code("int main(){ return x; }", "c")
+    assert bad.status == "compile_error" and "x" in bad.compile.stderr and bad.run is None
+    slow = client.run_code("int main(){for(;;);}", "c", run_timeout=1)
+    assert slow.status == "timeout"
+    with pytest.raises(shoal.InvalidRequestError, match="cobol"):
+        client.run_code("x", "cobol")
+
+
+def test_killed_node_leaves_no_workers() -> None:
+    # not under /tmp/pytest-of-*: every pytest session's teardown (conftest) lazily unmounts sandboxes
+    # directories there, also those of other sessions' running nodes
+    home = Path(tempfile.mkdtemp(prefix="shoal-fnkill-"))
+    doomed = NodeProcess(home, f"shoal-test-fnkill-{os.getpid()}").start()
+    with doomed.client() as client:
+        client.set_pool("function", "debian", size=2, wait=True)
+        assert client.call("'warm'") == "warm"
+    doomed.stop(signal.SIGKILL)
+    assert len(leftovers(doomed.home, doomed.cgroup_parent)["mounts"]) == 2  # the workers outlived the node
+    restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
+    try:
+        assert not no_leftovers(restarted.home, restarted.cgroup_parent)
+        with restarted.client() as client:
+            assert client.call("'again'") == "again"
+    finally:
+        restarted.stop()
+    assert not no_leftovers(restarted.home, restarted.cgroup_parent, node_stopped=True)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+async def test_pool_grows_with_demand(aclient: shoal.AsyncClient) -> None:
+    await aclient.set_pool("function", "debian", size=0, wait=True)
+    start = time.monotonic()
+    assert await asyncio.gather(*(aclient.call("import time; time.sleep(1.5); 1") for _ in range(4))) == [1] * 4
+    assert time.monotonic() - start < 5.5  # not 4 x 1.5 s one after another: workers were added
+    pools = (await aclient.status())["functions"]["pools"]
+    assert pools["debian:crun"]["idle"] >= 2, pools
+
+
+def test_ttl_closes_function_sandboxes(client: shoal.Client) -> None:
+    sb = client.create("function", ttl_s=0.5)
+    assert sb.exec("true").exit_code == 0
+    time.sleep(1.5)
+    with pytest.raises(shoal.SandboxClosedError, match="ttl"):
+        sb.exec("true")
+
+
+def test_pool_replaces_a_dead_worker(client: shoal.Client, node: NodeProcess) -> None:
+    def workers() -> list[int]:
+        found = []
+        for proc in Path("/proc").iterdir():
+            try:
+                if (
+                    b"/run/shoal-fn/worker.py" in (proc / "cmdline").read_bytes()
+                    and node.cgroup_parent in (proc / "cgroup").read_text()
+                ):
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+        return found
+
+    client.set_pool("function", "debian", size=1, wait=True)
+    result: dict[str, BaseException] = {}
+
+    def slow() -> None:
+        try:
+            client.call("import time; time.sleep(20)", timeout=30)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            result["error"] = exc
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    time.sleep(1.0)
+    for pid in workers():
+        os.kill(pid, signal.SIGKILL)
+    thread.join(timeout=15)
+    assert isinstance(result.get("error"), shoal.SandboxLostError), result
+    time.sleep(0.5)  # the node notices the idle workers' deaths too
+    assert [client.call("'recovered'") for _ in range(5)] == ["recovered"] * 5
+
+
+def test_cpu_limit_throttles_the_call(client: shoal.Client, node: NodeProcess) -> None:
+    def throttled() -> int:
+        total = 0
+        for stat in Path("/sys/fs/cgroup").glob(f"cpu*/{node.cgroup_parent}/*/call/cpu.stat"):
+            total += int(dict(line.split() for line in stat.read_text().splitlines()).get("nr_throttled", 0))
+        return total
+
+    if not list(Path("/sys/fs/cgroup").glob("cpu*")) or not (Path("/sys/fs/cgroup") / "cpu").is_dir():
+        pytest.skip("no cgroup v1 cpu hierarchy on this host (v2 reports cpu.max throttling differently)")
+    before = throttled()
+    busy = "import time\nt = time.time()\nwhile time.time() - t < 1: pass\ntime.process_time()"
+    used = client.call(busy, cpu=0.2)
+    assert used < 0.6 and throttled() > before
+
+
+def test_giant_output_and_result_are_capped(client: shoal.Client) -> None:
+    with pytest.raises(FunctionError) as big:
+        client.call("print('y' * (20 << 20)); 'x' * (65 << 20)", output_cap_bytes=1 << 16, timeout=30)
+    assert big.value.type == "ResultTooLarge" and len(big.value.stdout) == 1 << 16
+    streamed: list[bytes] = []
+    with client.create("function") as sb:
+        result = sb.exec("echo streamed", on_stdout=streamed.append)
+    assert result.stdout == "streamed\n" and b"".join(streamed) == b"streamed\n"
+
+
+@needs_dev
+def test_worker_budget_is_shared_between_images() -> None:
+    home = Path(tempfile.mkdtemp(prefix="shoal-fnbudget-"))
+    small = NodeProcess(home, f"shoal-test-fnbudget-{os.getpid()}", SHOAL_FN_MAX_WORKERS="1").start()
+    try:
+        with small.client() as client:
+            start = time.monotonic()
+            threads = [threading.Thread(target=client.call, args=("import time; time.sleep(1)",)) for _ in range(2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert time.monotonic() - start >= 2.0  # one worker: the calls took turns
+            assert client.call("'debian'") == "debian"
+            assert client.call("'dev'", image="debian-dev") == "dev"  # the idle debian worker made room
+            pools = client.status()["functions"]["pools"]
+            assert sum(p["idle"] + p["busy"] + p["starting"] for p in pools.values()) <= 1, pools
+    finally:
+        small.stop()
+    assert not no_leftovers(small.home, small.cgroup_parent, node_stopped=True)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def test_abandoned_map_stops_its_calls(client: shoal.Client) -> None:
+    taken = []
+    for value in client.map("import time\ndef f(x):\n    time.sleep(0.2)\n    return x", range(100), entry="f"):
+        taken.append(value)
+        if len(taken) == 3:
+            break
+    assert taken == [0, 1, 2]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        pools = client.status()["functions"]["pools"]
+        if all(p["busy"] == 0 and p["waiting"] == 0 for p in pools.values()):
+            break
+        time.sleep(0.1)
+    assert all(p["busy"] == 0 and p["waiting"] == 0 for p in pools.values()), pools
