@@ -158,11 +158,13 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _no_stale_test_mounts() -> Iterator[None]:
+def _no_stale_test_mounts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Nodes killed on purpose keep their shared sandboxes mount: drop those of this session only."""
     yield
+    base = str(tmp_path_factory.getbasetemp()) + "/"
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         target = line.split()[4]
-        if target.startswith("/tmp/pytest-of-") and target.endswith("/sandboxes"):
+        if target.startswith(base) and target.endswith("/sandboxes"):
             os.system(f"umount -l {target}")
 
 
