@@ -20,6 +20,7 @@ from shoal.client import (
 )
 from shoal.client.functions import FunctionError, RunCodeResult
 from shoal.errors import (
+    AuthenticationError,
     CapacityError,
     DivergenceError,
     ImageError,
@@ -27,6 +28,7 @@ from shoal.errors import (
     InvalidRequestError,
     NodeError,
     NotFoundError,
+    QuotaExceededError,
     SandboxClosedError,
     SandboxLostError,
     SandboxNotFoundError,
@@ -41,6 +43,7 @@ Image = ImageBuilder  # `shoal.Image.from_("debian").run(...)`
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthenticationError",
     "AsyncClient",
     "AsyncSandbox",
     "AsyncShell",
@@ -59,6 +62,7 @@ __all__ = [
     "NodeError",
     "NotFoundError",
     "OutputChunk",
+    "QuotaExceededError",
     "RunCodeResult",
     "Sandbox",
     "SandboxClosedError",

@@ -55,6 +55,14 @@ class DivergenceError(ShoalError):
     """A re-issued step differs from the one recorded in the trajectory log."""
 
 
+class AuthenticationError(ShoalError, PermissionError):
+    """The token is missing, unknown, or not allowed to do this."""
+
+
+class QuotaExceededError(ShoalError):
+    """The request would take the project past one of its quotas (sandboxes, CPU, memory)."""
+
+
 ERROR_TYPES: dict[str, type[ShoalError]] = {
     cls.__name__: cls
     for cls in [
@@ -71,5 +79,7 @@ ERROR_TYPES: dict[str, type[ShoalError]] = {
         TimeoutError,
         NodeError,
         DivergenceError,
+        AuthenticationError,
+        QuotaExceededError,
     ]
 }

@@ -14,7 +14,7 @@ from shoal.client import functions
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.client.transport import Connection
 from shoal.config import Paths
-from shoal.errors import NodeError
+from shoal.errors import NodeError, ShoalError
 from shoal.images.builder import ImageBuilder
 from shoal.protocol import OutputChunk, SandboxSpec
 
@@ -33,22 +33,51 @@ def _spec(kind: str, image: str, options: dict[str, Any]) -> dict[str, Any]:
 
 
 class AsyncClient:
-    """Connects to a node: the local one over its Unix socket (started on demand) by default."""
+    """Connects to a node or a cluster; the SDK surface is the same for all three.
 
-    def __init__(self, address: str | None = None, *, home: str | None = None, autostart: bool = True) -> None:
+    - no address: the local node over its Unix socket (started on demand);
+    - `"shoal://host:port"` (or several, comma-separated: tried in turn, also to fail over) with `token=`
+      (default $SHOAL_TOKEN): a node or a gateway over TCP;
+    - `ray_address="auto"`: a shoal cluster deployed on that Ray cluster (`shoal cluster up`).
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        home: str | None = None,
+        autostart: bool = True,
+        token: str | None = None,
+        ray_address: str | None = None,
+        project: str | None = None,
+    ) -> None:
         self.paths = Paths.from_env() if home is None else Paths(Path(home), Paths.from_env().images)
         self.address = address or str(self.paths.socket)
-        self.autostart = autostart and address is None
+        self.autostart = autostart and address is None and ray_address is None
+        self.token = token or os.environ.get("SHOAL_TOKEN")
+        self.ray_address = ray_address
+        self.project = project
+        self._endpoints = _endpoints(address) if address and address.startswith("shoal://") else []
+        self._next = 0
         self._conn: Connection | None = None
         self._connecting = asyncio.Lock()
 
     async def connect(self) -> AsyncClient:
         async with self._connecting:
-            if self._conn is None:
+            if self._conn is None or self._conn.closed:
                 self._conn = await self._open()
         return self
 
     async def _open(self) -> Connection:
+        if self.ray_address is not None and not self._endpoints:
+            from shoal.cluster.ray import connect_info
+
+            info = await asyncio.to_thread(connect_info, self.ray_address, self.project)
+            self._endpoints = [tuple(e) for e in info["gateways"]]
+            self.token = self.token or info["token"]
+            self.address = ",".join(f"shoal://{h}:{p}" for h, p in self._endpoints)
+        if self._endpoints:
+            return await self._open_tcp()
         try:
             return await Connection.open_unix(self.address)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
@@ -60,6 +89,19 @@ class AsyncClient:
 
         await asyncio.to_thread(spawn_background, self.paths)
         return await Connection.open_unix(self.address)
+
+    async def _open_tcp(self) -> Connection:
+        failures = []
+        for _ in range(len(self._endpoints)):
+            host, port = self._endpoints[self._next % len(self._endpoints)]
+            try:
+                return await Connection.open_tcp(host, port, self.token)
+            except ShoalError:  # refused by the server (bad token): do not try elsewhere
+                raise
+            except OSError as exc:
+                failures.append(f"{host}:{port}: {exc.strerror or exc}")
+                self._next += 1
+        raise NodeError(f"no shoal node or gateway answers at {self.address} ({'; '.join(failures)})")
 
     async def __aenter__(self) -> AsyncClient:
         return await self.connect()
@@ -243,6 +285,17 @@ def _is_rpc(fn: Any, args: tuple, options: dict[str, Any]) -> bool:
         and all(a is None or isinstance(a, dict) for a in args)
         and set(options) <= {"on_event", "on_orphan"}
     )
+
+
+def _endpoints(address: str) -> list[tuple[str, int]]:
+    out = []
+    for part in address.split(","):
+        rest = part.strip().removeprefix("shoal://")
+        host, _, port = rest.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"{part!r} is not an address like shoal://host:port")
+        out.append((host, int(port)))
+    return out
 
 
 class ExecStream:

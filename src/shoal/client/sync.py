@@ -44,9 +44,20 @@ class _Loop:
 class Client:
     """Blocking client. `with shoal.Client() as client:` connects to (and if need be starts) the node."""
 
-    def __init__(self, address: str | None = None, *, home: str | None = None, autostart: bool = True) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        home: str | None = None,
+        autostart: bool = True,
+        token: str | None = None,
+        ray_address: str | None = None,
+        project: str | None = None,
+    ) -> None:
         self._loop = _Loop()
-        self._async = AsyncClient(address, home=home, autostart=autostart)
+        self._async = AsyncClient(
+            address, home=home, autostart=autostart, token=token, ray_address=ray_address, project=project
+        )
         try:
             self._loop.run(self._async.connect())
         except BaseException:

@@ -44,6 +44,11 @@ class Connection:
         self._calls: dict[int, _Call] = {}
         self._closed: BaseException | None = None
         self._reader_task = asyncio.create_task(self._read_loop())
+        self.identity: Any = None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
 
     @classmethod
     async def open_unix(cls, path: str) -> Connection:
@@ -54,6 +59,18 @@ class Connection:
     def broken(self) -> bool:
         """The node went away (not closed by us): a new connection may succeed."""
         return self._closed is not None and not isinstance(self._closed, ConnectionAbortedError)
+
+    @classmethod
+    async def open_tcp(cls, host: str, port: int, token: str | None) -> Connection:
+        """A TCP connection to a node or gateway, authenticated with `token` before anything else."""
+        reader, writer = await asyncio.open_connection(host, port, limit=1 << 24)
+        conn = cls(reader, writer, f"shoal://{host}:{port}")
+        try:
+            conn.identity = await conn.call("auth", {"token": token})
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
 
     async def call(
         self,

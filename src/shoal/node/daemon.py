@@ -77,21 +77,33 @@ async def serve(paths: Paths, settings: NodeSettings, ready_fd: int | None = Non
     server = await asyncio.start_unix_server(server_impl.handle, path=str(paths.socket), backlog=4096)
     os.chmod(paths.socket, 0o600)
     log.info("node %s serving on %s (pid %d)", settings.node_id, paths.socket, os.getpid())
+    stop = asyncio.Event()
+    network = await _serve_network(server_impl, paths, stop)  # TCP + HTTP when SHOAL_TCP / SHOAL_HTTP are set
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")
         os.close(ready_fd)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
     finally:
+        for closer in network:
+            await closer()
         server.close()
         log.info("node shutting down: closing %d sandboxes", len(service.sandboxes))
         await service.stop()
         if paths.socket.exists():
             paths.socket.unlink()
+
+
+async def _serve_network(server_impl, paths: Paths, stop: asyncio.Event) -> list:  # noqa: ANN001
+    """Optional network surfaces (shoal.cluster): SHOAL_TCP, SHOAL_HTTP, and SHOAL_PARENT_PID (stop with it)."""
+    if not any(os.environ.get(k) for k in ("SHOAL_TCP", "SHOAL_HTTP", "SHOAL_PARENT_PID")):
+        return []
+    from shoal.node.tcp import serve_network
+
+    return await serve_network(server_impl, paths, stop)
 
 
 def main(argv: list[str] | None = None) -> int:

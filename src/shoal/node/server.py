@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -57,8 +58,13 @@ class NodeServer:
         self.service = service
         self.ops = {name: _Op(getattr(service, name)) for name in OPS}
         self.connections = 0
+        # called as observer(op, seconds, error_type_or_None) after each request (metrics)
+        self.observers: list[Callable[[str, float, str | None], None]] = []
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: Any = None) -> None:
+        """Serve one connection. `session` (TCP: a token-authenticated project, see node/tcp.py) wraps each
+        request: `session.serve(request)` answers its own ops (`session.ops`), `session.call(op, args,
+        invoke)` checks and rewrites the others around `invoke(args)`."""
         self.connections += 1
         tasks: dict[int, asyncio.Task] = {}
         lock = asyncio.Lock()
@@ -80,7 +86,7 @@ class NodeServer:
                     if victim is not None:
                         victim.cancel()
                     continue
-                task = asyncio.create_task(self._serve(request, send))
+                task = asyncio.create_task(self._serve(request, send, session))
                 tasks[request.id] = task
                 task.add_done_callback(lambda _t, rid=request.id: tasks.pop(rid, None))
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -95,19 +101,31 @@ class NodeServer:
             await asyncio.gather(*pending, return_exceptions=True)
             writer.close()
 
-    async def _serve(self, request: Request, send: Callable[[Response], Any]) -> None:
+    async def _serve(self, request: Request, send: Callable[[Response], Any], session: Any = None) -> None:
+        started = time.monotonic()
+        error: str | None = None
         try:
-            op = self.ops.get(request.op)
-            if op is None:
-                raise InvalidRequestError(f"unknown operation {request.op!r}")
-            kwargs = op.arguments(request.args)
-            if op.streams:
+            if session is not None and request.op in session.ops:
+                result = await session.serve(request)
+            else:
+                op = self.ops.get(request.op)
+                if op is None:
+                    raise InvalidRequestError(f"unknown operation {request.op!r}")
 
-                async def emit(event: Any) -> None:
-                    await send(Response(id=request.id, event=event))
+                async def invoke(args: dict[str, Any]) -> Any:
+                    kwargs = op.arguments(args)
+                    if op.streams:
 
-                kwargs["emit"] = emit
-            result = await op.method(**kwargs)
+                        async def emit(event: Any) -> None:
+                            await send(Response(id=request.id, event=event))
+
+                        kwargs["emit"] = emit
+                    return await op.method(**kwargs)
+
+                if session is None:
+                    result = await invoke(request.args)
+                else:
+                    result = await session.call(request.op, request.args, invoke)
             response = Response(id=request.id, result=result)
         except asyncio.CancelledError:
             response = Response(id=request.id, error=ErrorInfo(type="CancelledError", message="cancelled"))
@@ -119,6 +137,10 @@ class NodeServer:
             log.exception("operation %s failed", request.op)
             message = f"{type(exc).__name__}: {exc}"
             response = Response(id=request.id, error=ErrorInfo(type="ShoalError", message=message))
+        if response.error is not None:
+            error = response.error.type
+        for observer in self.observers:
+            observer(request.op, time.monotonic() - started, error)
         try:
             await send(response)
         except (ConnectionError, RuntimeError):

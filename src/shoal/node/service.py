@@ -669,6 +669,8 @@ class NodeService:
             "pid": os.getpid(),
             "uptime_s": time.time() - self.started_at,
             "sandboxes": len(self.sandboxes),
+            "max_sandboxes": self.settings.max_sandboxes,
+            "kinds": self.kinds(),
             "states": dict(states),
             "creating": self._creating,
             "pools": self.pools.stats(),

@@ -1,0 +1,1 @@
+"""shoal across machines: tokens and quotas, the gateway (routing, placement, admission), Ray deployment."""
