@@ -1,0 +1,598 @@
+"""The gateway: a stateless front for many nodes, speaking the node protocol (TCP + token) to clients.
+
+- Routing: a sandbox ID is `<node_id>-<hex>`, so any gateway sends any request to the owning node with no
+  shared state; a node that is gone or not answering makes its sandboxes' requests fail with
+  SandboxLostError naming the node and the reason, while every other sandbox carries on.
+- Placement of creates: admission queue (bounded, fair, deadlines) → filter → power-of-k on load → the node
+  may refuse (CapacityError) → retry on another node.
+- Membership: a static list (`--node id=host:port`) or pushed by the Ray controller (`cluster_nodes`);
+  each node is polled for its load, kinds, images and per-project usage (cluster-wide quotas).
+
+Run: `python -m shoal.cluster.gateway --listen 0.0.0.0:7470 --tokens tokens.json --node n1=host:7400 ...`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import logging
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+from shoal import protocol
+from shoal.client.transport import Connection
+from shoal.cluster import placement
+from shoal.cluster.admission import AdmissionQueue
+from shoal.cluster.auth import CLUSTER_ROLE, Identity, Tokens, Usage, cost, sandbox_of
+from shoal.cluster.metrics import Counter, CounterFn, Gauge, Histogram, Registry
+from shoal.cluster.placement import NodeView
+from shoal.errors import (
+    AuthenticationError,
+    CapacityError,
+    InvalidRequestError,
+    NodeError,
+    SandboxLostError,
+    SandboxNotFoundError,
+    ShoalError,
+    UnsupportedKindError,
+)
+from shoal.protocol import ErrorInfo, Request, Response
+
+log = logging.getLogger("shoal.gateway")
+
+ROUTED = {
+    "get", "kill", "keepalive", "exec", "file_write", "file_read", "file_list", "file_stat", "file_mkdir",
+    "file_remove", "shell_open", "shell_run", "shell_close",
+}  # fmt: skip
+ADMIN_FANOUT = {"pool_set", "image_build"}
+
+
+def node_of(sandbox_id: str) -> str:
+    node, _, suffix = sandbox_id.rpartition("-")
+    if not node or not suffix:
+        raise InvalidRequestError(f"{sandbox_id!r} is not a sandbox ID: IDs look like <node>-<hex>")
+    return node
+
+
+class Gateway:
+    def __init__(
+        self,
+        tokens: Tokens,
+        *,
+        name: str = "gw",
+        poll_interval: float = 0.5,
+        k: int = 2,
+        max_inflight_per_node: int = 32,
+        admission_timeout: float = 600.0,
+        max_waiting: int = 200_000,
+    ) -> None:
+        self.tokens = tokens
+        self.cluster_token = next((t for t, p in tokens.config.get("tokens", {}).items() if p == CLUSTER_ROLE), None)
+        if self.cluster_token is None:
+            raise AuthenticationError("the gateway's token file has no @cluster token: it needs one to talk to nodes")
+        self.name = name
+        self.poll_interval = poll_interval
+        self.k = k
+        self.max_inflight = max_inflight_per_node
+        self.nodes: dict[str, NodeView] = {}
+        self.gone: dict[str, str] = {}
+        self.conns: dict[str, Connection] = {}
+        self._pollers: dict[str, asyncio.Task] = {}
+        self._changed = asyncio.Event()
+        self.rng = random.Random()
+        self.admission = AdmissionQueue(
+            lambda: placement.free_slots(self.nodes.values(), self.max_inflight),
+            max_waiting=max_waiting,
+            timeout=admission_timeout,
+        )
+        self.project_delta: dict[str, Usage] = collections.defaultdict(Usage)
+        self.started_at = time.time()
+        self.connections = 0
+        self.metrics = self._metrics()
+
+    # ------------------------------------------------------------------ membership and the cluster view
+
+    def set_nodes(self, nodes: dict[str, str], gone: dict[str, str] | None = None) -> None:
+        """Replace the membership: {node_id: "host:port"}; `gone` names nodes that left, with why."""
+        for node_id, reason in (gone or {}).items():
+            self.gone[node_id] = reason
+        for node_id in list(self.nodes):
+            if node_id not in nodes:
+                self._forget(node_id, self.gone.get(node_id, "it left the cluster"))
+        for node_id, address in nodes.items():
+            host, _, port = address.rpartition(":")
+            view = self.nodes.get(node_id)
+            if view is not None and (view.host, view.port) == (host, int(port)):
+                continue
+            if view is not None:
+                self._forget(node_id, "it moved to a new address")
+            self.gone.pop(node_id, None)
+            self.nodes[node_id] = NodeView(node_id=node_id, host=host, port=int(port), since=time.time())
+            self._pollers[node_id] = asyncio.create_task(self._poll(node_id))
+
+    def _forget(self, node_id: str, reason: str) -> None:
+        self.nodes.pop(node_id, None)
+        self.gone[node_id] = reason
+        task = self._pollers.pop(node_id, None)
+        if task is not None:
+            task.cancel()
+        conn = self.conns.pop(node_id, None)
+        if conn is not None:
+            asyncio.ensure_future(conn.close())
+
+    def _mark(self, view: NodeView, healthy: bool, reason: str = "") -> None:
+        if view.healthy != healthy:
+            view.since = time.time()
+            log.log(logging.INFO if healthy else logging.WARNING, "node %s %s %s", view.node_id,
+                    "is up" if healthy else "is down:", reason)  # fmt: skip
+        view.healthy = healthy
+        view.reason = reason
+
+    async def _conn(self, view: NodeView) -> Connection:
+        conn = self.conns.get(view.node_id)
+        if conn is None or conn.closed:
+            conn = await asyncio.wait_for(Connection.open_tcp(view.host, view.port, self.cluster_token), 5)
+            if conn.identity.get("node_id") != view.node_id:
+                await conn.close()
+                raise NodeError(f"{view.host}:{view.port} is node {conn.identity.get('node_id')}, not {view.node_id}")
+            self.conns[view.node_id] = conn
+        return conn
+
+    async def _poll(self, node_id: str) -> None:
+        images_every = 20
+        tick = 0
+        while node_id in self.nodes:
+            view = self.nodes[node_id]
+            try:
+                conn = await self._conn(view)
+                status = await asyncio.wait_for(conn.call("status"), 5)
+                if tick % images_every == 0 or not view.healthy:
+                    view.images = frozenset(await asyncio.wait_for(conn.call("image_list"), 5))
+                view.status = status
+                view.kinds = frozenset(status.get("kinds", ["container"]))
+                view.max_sandboxes = int(status.get("max_sandboxes", 0))
+                view.polled = int(status["sandboxes"]) + int(status.get("creating", 0))
+                view.delta = 0
+                view.full = False
+                view.projects = status.get("projects", {})
+                self._mark(view, True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._mark(view, False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+                conn = self.conns.pop(node_id, None)
+                if conn is not None:
+                    await conn.close()
+            if tick % images_every == 0:
+                self.project_delta.clear()
+            tick += 1
+            self.admission.pump()
+            await asyncio.sleep(self.poll_interval)
+
+    def healthy(self) -> list[NodeView]:
+        return [v for v in self.nodes.values() if v.healthy]
+
+    # ------------------------------------------------------------------ serving clients
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        tasks: dict[int, asyncio.Task] = {}
+        state: dict[str, Identity | None] = {"identity": None}
+
+        def send(message: Response) -> None:
+            if not writer.is_closing():
+                writer.write(protocol.encode(message))
+
+        try:
+            while True:
+                body = await protocol.read_frame(reader)
+                if body is None:
+                    break
+                request = protocol.decode_request(body)
+                if request.op == "cancel":
+                    victim = tasks.get(int(request.args.get("request_id", -1)))
+                    if victim is not None:
+                        victim.cancel()
+                    continue
+                task = asyncio.create_task(self._serve(request, send, state))
+                tasks[request.id] = task
+                task.add_done_callback(lambda _t, rid=request.id: tasks.pop(rid, None))
+                if writer.transport.get_write_buffer_size() > 1 << 20:
+                    await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except Exception as exc:
+            log.warning("dropping a connection after a malformed frame: %s", exc)
+        finally:
+            self.connections -= 1
+            pending = list(tasks.values())
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            writer.close()
+
+    async def _serve(self, request: Request, send: Callable[[Response], None], state: dict[str, Any]) -> None:
+        started = time.monotonic()
+        try:
+            if request.op == "auth":
+                ident = self.tokens.authenticate(request.args.get("token"))
+                state["identity"] = ident
+                result: Any = {
+                    "gateway": self.name,
+                    "node_id": None,
+                    "project": ident.project,
+                    "cluster": ident.cluster,
+                }
+            else:
+                ident = state["identity"]
+                if ident is None:
+                    raise AuthenticationError(
+                        "not authenticated: the first request must be auth with a token "
+                        "(shoal.Client('shoal://host:port', token=...))"
+                    )
+                on_event = lambda event: send(Response(id=request.id, event=event))  # noqa: E731
+                result = await self.dispatch(ident, request.op, dict(request.args), on_event)
+            response = Response(id=request.id, result=protocol.to_builtins(result))
+        except asyncio.CancelledError:
+            response = Response(id=request.id, error=ErrorInfo(type="CancelledError", message="cancelled"))
+        except (ShoalError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
+                FileExistsError) as exc:  # fmt: skip
+            response = Response(id=request.id, error=ErrorInfo(type=type(exc).__name__, message=str(exc)))
+        except Exception as exc:
+            log.exception("operation %s failed", request.op)
+            response = Response(
+                id=request.id, error=ErrorInfo(type="ShoalError", message=f"{type(exc).__name__}: {exc}")
+            )
+        self._observe(request.op, time.monotonic() - started, response.error.type if response.error else None)
+        send(response)
+
+    async def dispatch(self, ident: Identity, op: str, args: dict[str, Any], on_event: Callable[[Any], None]) -> Any:
+        """Serve one request for `ident` (a project, or the cluster acting for `_project` or for everyone)."""
+        project = args.pop("_project", None) if ident.cluster else ident.project
+        if op == "hello":
+            return {"gateway": self.name, "nodes": sorted(self.nodes), "kinds": sorted(self._kinds())}
+        if op == "cluster_status":
+            return self.cluster_status()
+        if op == "metrics":
+            return self.metrics.render()
+        if op == "cluster_nodes":
+            if not ident.cluster:
+                raise AuthenticationError("cluster_nodes needs the cluster token")
+            self.set_nodes(args.get("nodes") or {}, args.get("gone") or {})
+            return sorted(self.nodes)
+        if op in ROUTED:
+            return await self._routed(op, args, project, on_event)
+        if op == "create":
+            if project is None:
+                raise InvalidRequestError("create through a gateway needs a project (use a project token)")
+            return await self.create(project, args)
+        if op in ("list", "close_all", "status", "image_list") or op in ADMIN_FANOUT:
+            if op in ADMIN_FANOUT and project is not None and not ident.cluster:
+                raise AuthenticationError(f"operation {op!r} needs a cluster (admin) token, not project {project!r}'s")
+            return await self._fanout(op, args, project)
+        raise InvalidRequestError(f"unknown operation {op!r}")
+
+    def _kinds(self) -> set[str]:
+        return set().union(*(v.kinds for v in self.nodes.values())) if self.nodes else set()
+
+    def _lost(self, sandbox_id: str, node_id: str) -> ShoalError:
+        if node_id in self.gone:
+            return SandboxLostError(
+                f"sandbox {sandbox_id} is lost: its node {node_id} left the cluster ({self.gone[node_id]})"
+            )
+        view = self.nodes.get(node_id)
+        if view is None:
+            known = ", ".join(sorted(self.nodes)) or "none"
+            return SandboxNotFoundError(
+                f"sandbox {sandbox_id} names node {node_id!r}, which this cluster does not have (nodes: {known}); "
+                "check the ID, or the node left and took its sandboxes with it"
+            )
+        ago = time.time() - view.since
+        return SandboxLostError(
+            f"sandbox {sandbox_id} is lost: its node {node_id} stopped answering {ago:.1f} s ago ({view.reason})"
+        )
+
+    async def _routed(self, op: str, args: dict[str, Any], project: str | None, on_event: Callable) -> Any:
+        sandbox_id = sandbox_of(op, args)
+        if not sandbox_id:
+            raise InvalidRequestError(f"{op} needs a sandbox ID")
+        node_id = node_of(sandbox_id)
+        view = self.nodes.get(node_id)
+        if view is None or not view.healthy:
+            raise self._lost(sandbox_id, node_id)
+        try:
+            conn = await self._conn(view)
+        except (OSError, NodeError, TimeoutError) as exc:
+            self._mark(view, False, f"{type(exc).__name__}: {exc}")
+            raise self._lost(sandbox_id, node_id) from exc
+        if project is not None:
+            args["_project"] = project
+        try:
+            result = await conn.call(op, args, on_event=on_event)
+        except NodeError as exc:  # the connection to the node broke during the request
+            self._mark(view, False, str(exc))
+            raise self._lost(sandbox_id, node_id) from exc
+        if op == "kill":
+            view.delta -= 1
+            self.admission.pump()
+        return result
+
+    async def _fanout(self, op: str, args: dict[str, Any], project: str | None) -> Any:
+        views = self.healthy()
+        if project is not None:
+            args["_project"] = project
+
+        async def one(view: NodeView) -> Any:
+            return await (await self._conn(view)).call(op, args)
+
+        results = await asyncio.gather(*(one(v) for v in views), return_exceptions=True)
+        answers = {v.node_id: r for v, r in zip(views, results, strict=True)}
+        failed = {n: r for n, r in answers.items() if isinstance(r, BaseException)}
+        ok = {n: r for n, r in answers.items() if not isinstance(r, BaseException)}
+        if op == "list":
+            return [info for r in ok.values() for info in r]
+        if op == "close_all":
+            if failed:
+                self.admission.pump()
+            return sum(ok.values())
+        if op == "image_list":
+            return sorted(set().union(*ok.values())) if ok else []
+        if op == "status":
+            return {"gateway": self.name, "nodes": ok, "unreachable": {n: str(e) for n, e in failed.items()}}
+        if failed:
+            first = next(iter(failed.values()))
+            raise first if isinstance(first, Exception) else ShoalError(str(first))
+        return ok
+
+    # ------------------------------------------------------------------ creates
+
+    def _project_usage(self, project: str) -> Usage:
+        total = Usage(**vars(self.project_delta[project]))
+        for view in self.nodes.values():
+            used = view.projects.get(project)
+            if used:
+                total.sandboxes += used["sandboxes"]
+                total.cpu += used["cpu"]
+                total.memory_mb += used["memory_mb"]
+        return total
+
+    async def create(self, project: str, args: dict[str, Any]) -> Any:
+        spec = dict(args.get("spec") or {})
+        kind, image = spec.get("kind", "container"), spec.get("image", "debian")
+        if self.nodes and kind not in self._kinds():
+            raise UnsupportedKindError(
+                f"kind {kind!r}: no node in this cluster runs it (kinds: {sorted(self._kinds())})"
+            )
+        cpu, mem = cost(spec)
+        self.tokens.check(project, self._project_usage(project), cpu, mem)
+        reserved = self.project_delta[project]
+        reserved.add(cpu, mem)  # held from here: concurrent creates of this project see it
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.admission.timeout
+        front = False
+        tried: set[str] = set()
+        ok = False
+        started = time.monotonic()
+        try:
+            while True:
+                if not self.healthy():  # nothing to wait for: say so now rather than at the deadline
+                    raise CapacityError(f"no healthy node in the cluster ({self._down()}); start or fix nodes")
+                await self.admission.acquire(project, deadline, front=front)
+                front = True
+                try:
+                    options = placement.candidates(self.nodes.values(), kind, image, tried, self.max_inflight)
+                    view = placement.power_of_k(options, self.k, self.rng)
+                    if view is None:
+                        tried.clear()
+                        await asyncio.sleep(0.02)  # the view was stale; let the pollers and answers catch up
+                        continue
+                    info = await self._create_on(view, project, spec, tried)
+                    if info is not None:
+                        ok = True
+                        self.created.inc(view.node_id)
+                        self.create_latency.observe(time.monotonic() - started)
+                        return info
+                finally:
+                    self.admission.release()
+        finally:
+            if not ok:
+                reserved.add(cpu, mem, -1)
+
+    def _down(self) -> str:
+        down = [f"{v.node_id}: {v.reason}" for v in self.nodes.values() if not v.healthy]
+        return "; ".join(down) or "no nodes joined"
+
+    async def _create_on(self, view: NodeView, project: str, spec: dict[str, Any], tried: set[str]) -> Any:
+        view.inflight += 1
+        try:
+            conn = await self._conn(view)
+
+            def orphan(info: Any) -> None:  # our caller went away after the node made it: release it
+                asyncio.ensure_future(self._kill_quietly(conn, info["id"], project))
+
+            info = await conn.call("create", {"spec": spec, "_project": project}, on_orphan=orphan)
+        except CapacityError:
+            view.full = True
+            tried.add(view.node_id)
+            self.rejections.inc(view.node_id)
+            return None
+        except (NodeError, OSError, TimeoutError) as exc:
+            self._mark(view, False, f"{type(exc).__name__}: {exc}")
+            tried.add(view.node_id)
+            return None
+        finally:
+            view.inflight -= 1
+        view.delta += 1
+        return info
+
+    async def _kill_quietly(self, conn: Connection, sandbox_id: str, project: str) -> None:
+        try:
+            await conn.call("kill", {"sandbox_id": sandbox_id, "_project": project})
+        except Exception:  # noqa: S110 - best effort
+            pass
+
+    # ------------------------------------------------------------------ observability
+
+    def cluster_status(self) -> dict[str, Any]:
+        nodes = {}
+        for v in self.nodes.values():
+            nodes[v.node_id] = {
+                "address": f"{v.host}:{v.port}",
+                "healthy": v.healthy,
+                "reason": v.reason,
+                "sandboxes": v.used,
+                "max_sandboxes": v.max_sandboxes,
+                "inflight": v.inflight,
+                "load": round(v.load(), 4),
+                "pool_hits": v.status.get("pool_hits", 0),
+                "pool_misses": v.status.get("pool_misses", 0),
+                "states": v.status.get("states", {}),
+            }
+        return {
+            "gateway": self.name,
+            "uptime_s": time.time() - self.started_at,
+            "nodes": nodes,
+            "gone": dict(self.gone),
+            "queue_depth": self.admission.depth(),
+            "queue_by_project": self.admission.depth_by_project(),
+            "admitted": self.admission.admitted,
+            "creating": self.admission.inflight,
+            "created": sum(self.created.values.values()),
+            "rejections": sum(self.rejections.values.values()),
+            "connections": self.connections,
+        }
+
+    def _metrics(self) -> Registry:
+        reg = Registry()
+        self.latency = reg.add(
+            Histogram("shoal_gateway_request_seconds", "Time to serve a request, by operation", ["op"])
+        )
+        self.create_latency = reg.add(
+            Histogram("shoal_gateway_create_seconds", "Create latency seen by clients, queueing included")
+        )
+        self.errors = reg.add(
+            Counter("shoal_gateway_errors_total", "Failed requests by operation and error", ["op", "type"])
+        )
+        self.created = reg.add(Counter("shoal_gateway_creates_total", "Sandboxes placed, by node", ["node"]))
+        self.rejections = reg.add(
+            Counter("shoal_gateway_rejections_total", "Creates a node refused for capacity (then retried)", ["node"])
+        )
+        reg.add(
+            Gauge(
+                "shoal_gateway_queue_depth",
+                "Creates waiting for admission",
+                collect=lambda: {(): self.admission.depth()},
+            )
+        )
+        reg.add(
+            CounterFn(
+                "shoal_gateway_admission_timeouts_total",
+                "Creates that waited past their deadline",
+                collect=lambda: {(): self.admission.timeouts},
+            )  # fmt: skip
+        )
+        reg.add(Gauge("shoal_gateway_nodes", "Nodes by health", ["healthy"], collect=self._node_health))
+        reg.add(
+            Gauge(
+                "shoal_gateway_node_sandboxes",
+                "Sandboxes per node as the gateway sees them",
+                ["node"],
+                collect=lambda: {(v.node_id,): v.used for v in self.nodes.values()},
+            )  # fmt: skip
+        )
+        return reg
+
+    def _node_health(self) -> dict[tuple[str, ...], float]:
+        up = sum(1 for v in self.nodes.values() if v.healthy)
+        return {("true",): up, ("false",): len(self.nodes) - up}
+
+    def _observe(self, op: str, seconds: float, error: str | None) -> None:
+        self.latency.observe(seconds, op)
+        if error is not None:
+            self.errors.inc(op, error)
+
+    async def close(self) -> None:
+        for task in self._pollers.values():
+            task.cancel()
+        await asyncio.gather(*self._pollers.values(), return_exceptions=True)
+        for conn in list(self.conns.values()):
+            await conn.close()
+        self.conns.clear()
+
+
+async def serve(gateway: Gateway, where: str, http: str | None, addr_file: str | None, stop: asyncio.Event) -> None:
+    from shoal.node.tcp import parse_hostport
+
+    host, port = parse_hostport(where)
+    server = await asyncio.start_server(gateway.handle, host, port, backlog=4096, limit=1 << 24)
+    bound = server.sockets[0].getsockname()
+    closers = []
+    if http:
+        from shoal.cluster.http import serve_gateway_http
+
+        closers.append(await serve_gateway_http(gateway, http))
+    if addr_file:
+        with open(addr_file + ".tmp", "w") as f:
+            f.write(f"{bound[0]}:{bound[1]}\n")
+        os.replace(addr_file + ".tmp", addr_file)
+    log.info("gateway %s on %s:%d", gateway.name, bound[0], bound[1])
+    try:
+        await stop.wait()
+    finally:
+        server.close()
+        for closer in closers:
+            await closer()
+        await gateway.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shoal.cluster.gateway", description=__doc__.splitlines()[0])
+    parser.add_argument("--listen", default=os.environ.get("SHOAL_GATEWAY", "0.0.0.0:7470"))
+    parser.add_argument("--http", default=os.environ.get("SHOAL_GATEWAY_HTTP"), help="host:port for /metrics")
+    parser.add_argument("--tokens", default=os.environ.get("SHOAL_TOKENS"), required="SHOAL_TOKENS" not in os.environ)
+    parser.add_argument("--node", action="append", default=[], help="node_id=host:port (repeatable)")
+    parser.add_argument("--name", default=os.environ.get("SHOAL_GATEWAY_NAME", "gw"))
+    parser.add_argument("--addr-file", help="write the bound host:port here once serving")
+    parser.add_argument(
+        "--admission-timeout", type=float, default=float(os.environ.get("SHOAL_ADMISSION_TIMEOUT", 600))
+    )
+    parser.add_argument("--max-waiting", type=int, default=int(os.environ.get("SHOAL_MAX_WAITING", 200_000)))
+    parser.add_argument("--k", type=int, default=2, help="power-of-k-choices sample size")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("SHOAL_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    nodes = dict(item.split("=", 1) for item in args.node)
+
+    async def run() -> None:
+        gateway = Gateway(
+            Tokens.load(args.tokens), name=args.name, k=args.k, admission_timeout=args.admission_timeout,
+            max_waiting=args.max_waiting,
+        )  # fmt: skip
+        gateway.set_nodes(nodes)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        parent = os.environ.get("SHOAL_PARENT_PID")
+        if parent:
+
+            async def watch() -> None:
+                while os.getppid() == int(parent):
+                    await asyncio.sleep(0.5)
+                stop.set()
+
+            asyncio.ensure_future(watch())
+        await serve(gateway, args.listen, args.http, args.addr_file, stop)
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

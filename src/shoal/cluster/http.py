@@ -1,0 +1,224 @@
+"""HTTP surfaces: /metrics and /healthz on nodes and gateways; on gateways also a JSON control API
+(`/v1/...`, described by `/openapi.json`) so any language can create sandboxes, run commands and move files.
+
+Authentication: `Authorization: Bearer <token>`, the same tokens as the binary protocol.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from shoal import protocol
+from shoal.cluster.metrics import CONTENT_TYPE, node_metrics
+from shoal.errors import (
+    AuthenticationError,
+    CapacityError,
+    InvalidRequestError,
+    NotFoundError,
+    QuotaExceededError,
+    SandboxLostError,
+    ShoalError,
+)
+from shoal.node.tcp import parse_hostport
+
+_STATUS = [
+    (AuthenticationError, 401),
+    (QuotaExceededError, 403),
+    (NotFoundError, 404),
+    (InvalidRequestError, 400),
+    (SandboxLostError, 410),
+    (CapacityError, 503),
+]
+
+
+async def _start(app: web.Application, where: str) -> Callable[[], Awaitable[None]]:
+    host, port = parse_hostport(where)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner.cleanup
+
+
+async def serve_node_http(server: Any, where: str, home: Any = None) -> Callable[[], Awaitable[None]]:
+    registry = node_metrics(server)
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=registry.render().encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "node_id": server.service.settings.node_id})
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", metrics), web.get("/healthz", healthz)])
+    return await _start(app, where)
+
+
+def _error(exc: Exception) -> web.Response:
+    status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 500)
+    return web.json_response({"error": type(exc).__name__, "message": str(exc)}, status=status)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+async def serve_gateway_http(gateway: Any, where: str) -> Callable[[], Awaitable[None]]:
+    async def call(request: web.Request, op: str, args: dict[str, Any]) -> web.Response:
+        try:
+            header = request.headers.get("Authorization", "")
+            ident = gateway.tokens.authenticate(header.removeprefix("Bearer ").strip() or None)
+            result = protocol.to_builtins(await gateway.dispatch(ident, op, args, lambda _e: None))
+        except ShoalError as exc:
+            return _error(exc)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            return web.json_response({"error": type(exc).__name__, "message": str(exc)}, status=404)
+        if isinstance(result, bytes):
+            return web.Response(body=result, content_type="application/octet-stream")
+        return web.json_response(_jsonable(result))
+
+    async def body(request: web.Request) -> dict[str, Any]:
+        if not request.can_read_body:
+            return {}
+        try:
+            data = await request.json()
+        except json.JSONDecodeError as exc:
+            raise web.HTTPBadRequest(text=f"the body is not JSON: {exc}") from exc
+        return data if isinstance(data, dict) else {}
+
+    async def create(request: web.Request) -> web.Response:
+        spec = await body(request)
+        files = spec.get("files")
+        if isinstance(files, dict):
+            spec["files"] = {k: base64.b64decode(v) for k, v in files.items()}  # files are base64 in JSON
+        return await call(request, "create", {"spec": spec})
+
+    async def list_(request: web.Request) -> web.Response:
+        labels = dict(item.split("=", 1) for item in request.query.getall("label", []))
+        return await call(request, "list", {"labels": labels or None})
+
+    async def get(request: web.Request) -> web.Response:
+        return await call(request, "get", {"sandbox_id": request.match_info["id"]})
+
+    async def delete(request: web.Request) -> web.Response:
+        return await call(request, "kill", {"sandbox_id": request.match_info["id"]})
+
+    async def exec_(request: web.Request) -> web.Response:
+        req = await body(request)
+        req["sandbox_id"] = request.match_info["id"]
+        if isinstance(req.get("stdin"), str):
+            req["stdin"] = req["stdin"].encode()
+        req.pop("stream", None)
+        return await call(request, "exec", {"req": req})
+
+    async def read_file(request: web.Request) -> web.Response:
+        return await call(request, "file_read", {"sandbox_id": request.match_info["id"], "path": request.query["path"]})
+
+    async def write_file(request: web.Request) -> web.Response:
+        data = await request.read()
+        args = {"sandbox_id": request.match_info["id"], "path": request.query["path"], "data": data}
+        return await call(request, "file_write", args)
+
+    async def cluster(request: web.Request) -> web.Response:
+        return await call(request, "cluster_status", {})
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=gateway.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def healthz(_request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "gateway": gateway.name, "nodes_up": len(gateway.healthy())})
+
+    async def openapi(_request: web.Request) -> web.Response:
+        return web.json_response(OPENAPI)
+
+    app = web.Application(client_max_size=256 << 20)
+    app.add_routes(
+        [
+            web.post("/v1/sandboxes", create),
+            web.get("/v1/sandboxes", list_),
+            web.get("/v1/sandboxes/{id}", get),
+            web.delete("/v1/sandboxes/{id}", delete),
+            web.post("/v1/sandboxes/{id}/exec", exec_),
+            web.get("/v1/sandboxes/{id}/files", read_file),
+            web.put("/v1/sandboxes/{id}/files", write_file),
+            web.get("/v1/cluster", cluster),
+            web.get("/metrics", metrics),
+            web.get("/healthz", healthz),
+            web.get("/openapi.json", openapi),
+        ]
+    )
+    return await _start(app, where)
+
+
+def _op(summary: str, body: str | None = None, query: list[str] | None = None) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "security": [{"bearer": []}], "responses": {"200": {"description": "ok"}}}
+    if body:
+        op["requestBody"] = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}}}
+    params = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}] if "{id}" in summary else []
+    params += [{"name": q, "in": "query", "required": True, "schema": {"type": "string"}} for q in query or []]
+    if params:
+        op["parameters"] = params
+    return op
+
+
+_ERRORS = "Errors: 400 invalid request, 401 bad token, 403 quota, 404 not found, 410 sandbox lost, 503 no capacity."
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.0.3",
+    "info": {"title": "shoal gateway", "version": "1", "description": _ERRORS},
+    "components": {
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "schemas": {
+            "SandboxSpec": {
+                "type": "object",
+                "properties": {
+                    "kind": {"type": "string", "default": "container"},
+                    "image": {"type": "string", "default": "debian"},
+                    "cpu": {"type": "number"},
+                    "memory_mb": {"type": "integer"},
+                    "ttl_s": {"type": "number"},
+                    "env": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "files": {"type": "object", "additionalProperties": {"type": "string", "format": "byte"}},
+                    "workdir": {"type": "string"},
+                    "user": {"type": "string"},
+                },
+            },
+            "ExecRequest": {
+                "type": "object",
+                "required": ["cmd"],
+                "properties": {
+                    "cmd": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+                    "timeout": {"type": "number"},
+                    "idle_timeout": {"type": "number"},
+                    "env": {"type": "object", "additionalProperties": {"type": "string"}},
+                    "cwd": {"type": "string"},
+                    "stdin": {"type": "string"},
+                },
+            },
+        },
+    },
+    "paths": {
+        "/v1/sandboxes": {
+            "post": _op("Create a sandbox (queued while the cluster is full)", "SandboxSpec"),
+            "get": _op("List this project's sandboxes"),
+        },
+        "/v1/sandboxes/{id}": {"get": _op("Describe sandbox {id}"), "delete": _op("Close sandbox {id}")},
+        "/v1/sandboxes/{id}/exec": {"post": _op("Run a command in sandbox {id}", "ExecRequest")},
+        "/v1/sandboxes/{id}/files": {
+            "get": _op("Read a file of sandbox {id} (raw bytes)", query=["path"]),
+            "put": _op("Write a file of sandbox {id} (raw body)", query=["path"]),
+        },
+        "/v1/cluster": {"get": _op("The gateway's view of the cluster")},
+    },
+}

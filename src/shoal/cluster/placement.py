@@ -1,0 +1,75 @@
+"""Placement: filter the nodes that can take a sandbox, then power-of-k-choices on load.
+
+The gateway keeps a `NodeView` per node, refreshed by polling `status` and adjusted by what it has sent
+since. The view only has to be good enough to choose: the node has the final say (it may answer
+CapacityError, and the gateway then tries another node).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class NodeView:
+    node_id: str
+    host: str
+    port: int
+    healthy: bool = False
+    reason: str = "not contacted yet"
+    since: float = 0.0  # when `healthy` last changed
+    kinds: frozenset[str] = frozenset()
+    images: frozenset[str] = frozenset()
+    max_sandboxes: int = 0
+    polled: int = 0  # sandboxes + creating, as last polled
+    delta: int = 0  # creates (+) and kills (-) this gateway saw answered since that poll
+    inflight: int = 0  # creates sent and not yet answered
+    full: bool = False  # the node refused a create for capacity since the last poll
+    projects: dict[str, dict[str, Any]] = field(default_factory=dict)
+    status: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def used(self) -> int:
+        return max(0, self.polled + self.delta)
+
+    def free(self) -> int:
+        """Slots this view believes are free (not counting creates in flight)."""
+        if not self.healthy or self.full:
+            return 0
+        return max(0, self.max_sandboxes - self.used)
+
+    def load(self) -> float:
+        return (self.used + self.inflight) / max(1, self.max_sandboxes)
+
+
+def candidates(
+    nodes: Iterable[NodeView], kind: str, image: str, exclude: set[str], max_inflight: int
+) -> list[NodeView]:
+    """Healthy nodes that run `kind` and have room; those already holding `image` first if any do."""
+    fit = [
+        n
+        for n in nodes
+        if n.healthy
+        and n.node_id not in exclude
+        and kind in n.kinds
+        and n.inflight < max_inflight
+        and n.free() > n.inflight
+    ]
+    local = [n for n in fit if image in n.images]
+    return local or fit
+
+
+def power_of_k(nodes: list[NodeView], k: int = 2, rng: random.Random | None = None) -> NodeView | None:
+    """Sample k nodes and take the least loaded: near-best balance at O(k) cost, no herding."""
+    if not nodes:
+        return None
+    sample = nodes if len(nodes) <= k else (rng or random).sample(nodes, k)
+    return min(sample, key=lambda n: n.load())
+
+
+def free_slots(nodes: Iterable[NodeView], max_inflight: int) -> int:
+    """How many creates could start now: free slots, at most `max_inflight` per node."""
+    return sum(min(n.free(), max_inflight) for n in nodes)
