@@ -237,7 +237,7 @@ class Gateway:
                     )
                 on_event = lambda event: send(Response(id=request.id, event=event))  # noqa: E731
                 result = await self.dispatch(ident, request.op, dict(request.args), on_event)
-            response = Response(id=request.id, result=protocol.to_builtins(result))
+            response = Response(id=request.id, result=result)
         except asyncio.CancelledError:
             response = Response(id=request.id, error=ErrorInfo(type="CancelledError", message="cancelled"))
         except (ShoalError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
@@ -535,7 +535,7 @@ async def serve(gateway: Gateway, where: str, http: str | None, addr_file: str |
     if http:
         from shoal.cluster.http import serve_gateway_http
 
-        closers.append(await serve_gateway_http(gateway, http))
+        closers.append(await serve_gateway_http(gateway, http, addr_file and addr_file + ".http"))
     if addr_file:
         with open(addr_file + ".tmp", "w") as f:
             f.write(f"{bound[0]}:{bound[1]}\n")
@@ -563,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-waiting", type=int, default=int(os.environ.get("SHOAL_MAX_WAITING", 200_000)))
     parser.add_argument("--k", type=int, default=2, help="power-of-k-choices sample size")
+    parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between polls of each node")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("SHOAL_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -572,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> None:
         gateway = Gateway(
             Tokens.load(args.tokens), name=args.name, k=args.k, admission_timeout=args.admission_timeout,
+            poll_interval=args.poll_interval,
             max_waiting=args.max_waiting,
         )  # fmt: skip
         gateway.set_nodes(nodes)

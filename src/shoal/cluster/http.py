@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import base64
 import json
+from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
-from shoal import protocol
 from shoal.cluster.metrics import CONTENT_TYPE, node_metrics
 from shoal.errors import (
     AuthenticationError,
@@ -36,12 +37,16 @@ _STATUS = [
 ]
 
 
-async def _start(app: web.Application, where: str) -> Callable[[], Awaitable[None]]:
+async def _start(app: web.Application, where: str, addr_file: Any = None) -> Callable[[], Awaitable[None]]:
+    """Serve `app` on host:port (port 0: any free one); write the bound host:port to `addr_file` if given."""
     host, port = parse_hostport(where)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
+    if addr_file is not None:
+        bound = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
+        Path(addr_file).write_text(f"{bound[0]}:{bound[1]}\n")
     return runner.cleanup
 
 
@@ -56,7 +61,7 @@ async def serve_node_http(server: Any, where: str, home: Any = None) -> Callable
 
     app = web.Application()
     app.add_routes([web.get("/metrics", metrics), web.get("/healthz", healthz)])
-    return await _start(app, where)
+    return await _start(app, where, None if home is None else Path(home) / "node.http")
 
 
 def _error(exc: Exception) -> web.Response:
@@ -74,12 +79,14 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-async def serve_gateway_http(gateway: Any, where: str) -> Callable[[], Awaitable[None]]:
+async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) -> Callable[[], Awaitable[None]]:
     async def call(request: web.Request, op: str, args: dict[str, Any]) -> web.Response:
         try:
             header = request.headers.get("Authorization", "")
             ident = gateway.tokens.authenticate(header.removeprefix("Bearer ").strip() or None)
-            result = protocol.to_builtins(await gateway.dispatch(ident, op, args, lambda _e: None))
+            result = msgspec.to_builtins(
+                await gateway.dispatch(ident, op, args, lambda _e: None), builtin_types=(bytes,)
+            )
         except ShoalError as exc:
             return _error(exc)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
@@ -158,7 +165,7 @@ async def serve_gateway_http(gateway: Any, where: str) -> Callable[[], Awaitable
             web.get("/openapi.json", openapi),
         ]
     )
-    return await _start(app, where)
+    return await _start(app, where, addr_file)
 
 
 def _op(summary: str, body: str | None = None, query: list[str] | None = None) -> dict[str, Any]:

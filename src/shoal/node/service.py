@@ -43,6 +43,7 @@ Emit = Callable[[Any], Awaitable[None]]
 MIN_MEMORY_MB = 8
 MIN_DISK_MB = 4
 KILL_GRACE_S = 2.0
+NODE_RESTARTED = "its node process died (its sandboxes with it) and was restarted"
 
 
 class NodeService:
@@ -69,7 +70,8 @@ class NodeService:
     async def start(self) -> None:
         _shield_node_from_oom_killer()
         self.paths.sandboxes.mkdir(parents=True, exist_ok=True)
-        await self.reconcile()
+        for sandbox_id in await self.reconcile():  # a crashed node's sandboxes: requests for them say so
+            self._remember_closed(sandbox_id, NODE_RESTARTED)
         await asyncio.to_thread(self.node_images.reconcile)
         await self.network.cleanup_all()  # sandboxes of an earlier node are gone: so is their plumbing
         self._reaper = asyncio.create_task(self._reap_forever())
@@ -283,7 +285,10 @@ class NodeService:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
             if sandbox_id in self.closed:
-                raise SandboxClosedError(f"sandbox {sandbox_id} is closed ({self.closed[sandbox_id]})")
+                reason = self.closed[sandbox_id]
+                if reason == NODE_RESTARTED:
+                    raise SandboxLostError(f"sandbox {sandbox_id} is lost: {reason}")
+                raise SandboxClosedError(f"sandbox {sandbox_id} is closed ({reason})")
             raise SandboxNotFoundError(f"no sandbox {sandbox_id} on node {self.settings.node_id}")
         if sandbox.state is State.LOST:
             raise SandboxLostError(f"sandbox {sandbox_id} is lost: {sandbox.lost_reason}")
