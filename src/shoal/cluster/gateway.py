@@ -90,7 +90,7 @@ class Gateway:
             max_waiting=max_waiting,
             timeout=admission_timeout,
         )
-        self.project_delta: dict[str, Usage] = collections.defaultdict(Usage)
+        self.reserving: dict[str, Usage] = collections.defaultdict(Usage)  # creates of a project in flight
         self.started_at = time.time()
         self.connections = 0
         self.metrics = self._metrics()
@@ -150,7 +150,9 @@ class Gateway:
             view = self.nodes[node_id]
             try:
                 conn = await self._conn(view)
+                asked = time.monotonic()
                 status = await asyncio.wait_for(conn.call("status"), 5)
+                view.placed = [p for p in view.placed if p[0] >= asked]  # the rest are in this status
                 if tick % images_every == 0 or not view.healthy:
                     view.images = frozenset(await asyncio.wait_for(conn.call("image_list"), 5))
                 view.status = status
@@ -168,8 +170,6 @@ class Gateway:
                 conn = self.conns.pop(node_id, None)
                 if conn is not None:
                     await conn.close()
-            if tick % images_every == 0:
-                self.project_delta.clear()
             tick += 1
             self.admission.pump()
             await asyncio.sleep(self.poll_interval)
@@ -352,13 +352,17 @@ class Gateway:
     # ------------------------------------------------------------------ creates
 
     def _project_usage(self, project: str) -> Usage:
-        total = Usage(**vars(self.project_delta[project]))
+        """As of each node's last poll, plus what this gateway placed since and has in flight."""
+        total = Usage(**vars(self.reserving[project]))
         for view in self.nodes.values():
             used = view.projects.get(project)
             if used:
                 total.sandboxes += used["sandboxes"]
                 total.cpu += used["cpu"]
                 total.memory_mb += used["memory_mb"]
+            for _, who, cpu, mem in view.placed:
+                if who == project:
+                    total.add(cpu, mem)
         return total
 
     async def create(self, project: str, args: dict[str, Any]) -> Any:
@@ -370,13 +374,12 @@ class Gateway:
             )
         cpu, mem = cost(spec)
         self.tokens.check(project, self._project_usage(project), cpu, mem)
-        reserved = self.project_delta[project]
+        reserved = self.reserving[project]
         reserved.add(cpu, mem)  # held from here: concurrent creates of this project see it
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.admission.timeout
         front = False
         tried: set[str] = set()
-        ok = False
         started = time.monotonic()
         try:
             while True:
@@ -393,15 +396,14 @@ class Gateway:
                         continue
                     info = await self._create_on(view, project, spec, tried)
                     if info is not None:
-                        ok = True
+                        view.placed.append((time.monotonic(), project, cpu, mem))
                         self.created.inc(view.node_id)
                         self.create_latency.observe(time.monotonic() - started)
                         return info
                 finally:
                     self.admission.release()
         finally:
-            if not ok:
-                reserved.add(cpu, mem, -1)
+            reserved.add(cpu, mem, -1)
 
     def _down(self) -> str:
         down = [f"{v.node_id}: {v.reason}" for v in self.nodes.values() if not v.healthy]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import base64
 import json
-from pathlib import Path
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec

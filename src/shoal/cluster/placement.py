@@ -28,7 +28,8 @@ class NodeView:
     delta: int = 0  # creates (+) and kills (-) this gateway saw answered since that poll
     inflight: int = 0  # creates sent and not yet answered
     full: bool = False  # the node refused a create for capacity since the last poll
-    projects: dict[str, dict[str, Any]] = field(default_factory=dict)
+    projects: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-project usage, as polled
+    placed: list[tuple[float, str, float, int]] = field(default_factory=list)  # (when, project, cpu, mem) since
     status: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -1,0 +1,238 @@
+"""The network API, the gateway (routing, placement, admission) and quotas, on real nodes over real TCP.
+
+Nodes and gateways are separate processes (shoal.cluster.local); the Ray deployment is tested in
+test_ray_cluster.py.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import no_leftovers
+
+import shoal
+from shoal.cluster.local import LocalCluster, LocalGateway
+
+PROJECTS = {"alice": {"sandboxes": 3}, "bob": {}, "carol": {"cpu": 2, "memory_mb": 1024}}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    lc = LocalCluster(tmp_path_factory.mktemp("cluster"), nodes=2, max_sandboxes=4, projects=PROJECTS, prefix="tc")
+    try:
+        lc.add_gateway()
+        lc.add_gateway()
+        _wait_healthy(lc.gateways[0].address, lc.cluster_token, 2)
+        _wait_healthy(lc.gateways[1].address, lc.cluster_token, 2)
+        yield lc
+    finally:
+        lc.stop()
+    for node in lc.nodes:
+        assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
+def _wait_healthy(address: str, token: str, count: int, timeout: float = 20.0) -> dict:
+    with shoal.Client(f"shoal://{address}", token=token) as c:
+        deadline = time.monotonic() + timeout
+        while True:
+            status = c._run(c._async.call("cluster_status"))
+            if sum(n["healthy"] for n in status["nodes"].values()) >= count:
+                return status
+            assert time.monotonic() < deadline, f"nodes did not come up: {status}"
+            time.sleep(0.1)
+
+
+def _client(lc: LocalCluster, project: str, gateway: int = 0) -> shoal.Client:
+    return shoal.Client(f"shoal://{lc.gateways[gateway].address}", token=lc.project_tokens[project])
+
+
+@pytest.fixture
+def bob(cluster: LocalCluster) -> Iterator[shoal.Client]:
+    with _client(cluster, "bob") as c:
+        yield c
+        c.close_all()
+
+
+def test_tokens_are_checked(cluster: LocalCluster) -> None:
+    gw = cluster.gateways[0].address
+    with pytest.raises(shoal.AuthenticationError, match="no token given"):
+        shoal.Client(f"shoal://{gw}")
+    with pytest.raises(shoal.AuthenticationError, match="unknown token"):
+        shoal.Client(f"shoal://{gw}", token="not-a-token")
+    node = cluster.nodes[0].address  # the node's own TCP port needs a token too
+    with pytest.raises(shoal.AuthenticationError, match="unknown token"):
+        shoal.Client(f"shoal://{node}", token="nope")
+
+
+def test_direct_node_over_tcp_streams_and_isolates_projects(cluster: LocalCluster) -> None:
+    node = cluster.nodes[0]
+    address = f"shoal://{node.address}"
+    with (
+        shoal.Client(address, token=cluster.project_tokens["bob"]) as c,
+        c.create(image="busybox", pool=False) as sb,
+        shoal.Client(address, token=cluster.project_tokens["alice"]) as other,
+    ):
+        chunks = [ch.data for ch in sb.exec_stream("echo a; sleep 0.2; echo b")]
+        assert b"".join(chunks) == b"a\nb\n" and len(chunks) == 2
+        assert sb.info.labels["shoal.project"] == "bob"
+        assert other.list() == []
+        with pytest.raises(shoal.SandboxNotFoundError, match="alice"):
+            other.get(sb.id).exec("true")
+        with pytest.raises(shoal.AuthenticationError, match="admin"):
+            other.set_pool("container", "busybox", 1)
+
+
+def test_placement_spreads_and_routes_by_id_through_any_gateway(cluster: LocalCluster, bob: shoal.Client) -> None:
+    made = bob.create_many(6, image="busybox", pool=False)
+    assert all(isinstance(s, shoal.Sandbox) for s in made), made
+    per_node = {n.node_id: sum(s.id.startswith(n.node_id + "-") for s in made) for n in cluster.nodes}
+    assert all(count >= 2 for count in per_node.values()), per_node  # 4 slots each: both nodes used
+    with _client(cluster, "bob", gateway=1) as other:  # the second gateway has never seen these IDs
+        for sb in made:
+            assert other.get(sb.id).exec("echo $HOSTNAME").exit_code == 0
+        other.kill(made[0].id)
+    with pytest.raises(shoal.SandboxClosedError):
+        made[0].exec("true")
+    with pytest.raises(shoal.SandboxNotFoundError, match="nowhere.*does not have"):
+        bob.get("nowhere-0123456789ab")
+    with pytest.raises(shoal.InvalidRequestError, match="not a sandbox ID"):
+        bob.get("plainname")
+
+
+def test_quota_exceeded_is_refused_cluster_wide(cluster: LocalCluster) -> None:
+    with _client(cluster, "alice") as alice:
+        try:
+            made = [alice.create(image="busybox", pool=False) for _ in range(3)]
+            assert {s.id.rsplit("-", 1)[0] for s in made} == {"tc1", "tc2"}  # spread, yet counted together
+            with pytest.raises(shoal.QuotaExceededError, match="alice.*sandboxes quota: 3 in use"):
+                alice.create(image="busybox", pool=False)
+            made[0].close()
+            time.sleep(1)  # the gateway learns of the freed quota at its next poll of the node
+            alice.create(image="busybox", pool=False).close()
+        finally:
+            alice.close_all()
+    with _client(cluster, "carol") as carol:
+        try:
+            carol.create(image="busybox", pool=False, cpu=1, memory_mb=512)
+            with pytest.raises(shoal.QuotaExceededError, match="memory_mb quota"):
+                carol.create(image="busybox", pool=False, cpu=0.5, memory_mb=600)
+        finally:
+            carol.close_all()
+
+
+def test_admission_queues_a_burst_larger_than_the_cluster(cluster: LocalCluster, bob: shoal.Client) -> None:
+    """14 creates against 8 slots: the surplus waits until TTLs free slots, then succeeds."""
+    start = time.time()
+    made = bob.create_many(14, image="busybox", pool=False, ttl_s=2)
+    errors = [s for s in made if isinstance(s, Exception)]
+    assert not errors, errors
+    late = [s for s in made if s.info.created_at - start > 1.5]
+    assert len(late) >= 6, "the surplus must have been created only after capacity freed"
+    with shoal.Client(f"shoal://{cluster.gateways[0].address}", token=cluster.cluster_token) as admin:
+        status = admin._run(admin._async.call("cluster_status"))
+    assert status["queue_depth"] == 0
+
+
+def test_admission_deadline_and_node_rejection_retry(cluster: LocalCluster, bob: shoal.Client) -> None:
+    # a gateway with a stale view (polls every 60 s) and a short admission deadline
+    gw = LocalGateway("slow", cluster.tokens_file, cluster.node_map(), cluster.workdir, "--poll-interval", "60",
+                      "--admission-timeout", "1.5")  # fmt: skip
+    try:
+        _wait_healthy(gw.address, cluster.cluster_token, 2)
+        first = cluster.nodes[0]
+        with shoal.Client(f"shoal://{first.address}", token=cluster.project_tokens["bob"]) as direct:
+            filled = [direct.create(image="busybox", pool=False) for _ in range(4)]  # behind the gateway's back
+        with shoal.Client(f"shoal://{gw.address}", token=cluster.project_tokens["bob"]) as c:
+            placed = [c.create(image="busybox", pool=False) for _ in range(4)]
+            assert all(s.id.startswith("tc2-") for s in placed)  # tc1 refused; the gateway retried on tc2
+            status = c._run(c._async.call("cluster_status"))
+            assert status["rejections"] >= 1
+            t = time.monotonic()
+            with pytest.raises(shoal.CapacityError, match="admission deadline"):
+                c.create(image="busybox", pool=False)
+            assert 1.4 < time.monotonic() - t < 10
+        assert len(filled) == 4
+    finally:
+        gw.stop()
+
+
+def test_killing_a_gateway_loses_nothing(cluster: LocalCluster) -> None:
+    spare = LocalGateway("spare", cluster.tokens_file, cluster.node_map(), cluster.workdir)
+    try:
+        _wait_healthy(spare.address, cluster.cluster_token, 2)
+        address = f"shoal://{spare.address},{cluster.gateways[1].address}"
+        with shoal.Client(address, token=cluster.project_tokens["bob"]) as c:
+            sb = c.create(image="busybox", pool=False)
+            sb.exec("echo kept > /tmp/state")
+            spare.stop(signal.SIGKILL)
+            assert sb.files.read_text("/tmp/state") == "kept\n"  # reconnected through the other gateway
+            sb.close()
+    finally:
+        spare.stop()
+
+
+def test_http_api_and_metrics(cluster: LocalCluster) -> None:
+    gw = cluster.gateways[0]
+    token = cluster.project_tokens["bob"]
+
+    def call(method: str, path: str, body: object = None, token: str | None = token) -> tuple[int, object]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://{gw.http}{path}", data=data, method=method)
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    status, info = call("POST", "/v1/sandboxes", {"image": "busybox", "pool": False})
+    assert status == 200, info
+    status, result = call("POST", f"/v1/sandboxes/{info['id']}/exec", {"cmd": "echo hello; exit 3"})
+    assert (status, result["stdout"], result["exit_code"]) == (200, "hello\n", 3)
+    assert call("GET", "/v1/sandboxes/nowhere-000000000000")[0] == 404
+    assert call("GET", "/v1/sandboxes", token=None)[0] == 401
+    assert call("DELETE", f"/v1/sandboxes/{info['id']}")[0] == 200
+    assert call("GET", "/openapi.json")[1]["openapi"].startswith("3.")
+    text = urllib.request.urlopen(f"http://{gw.http}/metrics").read().decode()
+    assert 'shoal_gateway_request_seconds_count{op="create"}' in text
+    assert "shoal_gateway_queue_depth 0" in text
+    node_text = urllib.request.urlopen(f"http://{cluster.nodes[0].http}/metrics").read().decode()
+    assert "shoal_node_request_seconds_bucket" in node_text and "shoal_node_capacity 4" in node_text
+
+
+def test_a_killed_node_loses_only_its_sandboxes(tmp_path: Path) -> None:
+    lc = LocalCluster(tmp_path, nodes=2, prefix="tk")
+    try:
+        gw = lc.add_gateway()
+        _wait_healthy(gw.address, lc.cluster_token, 2)
+        with _client(lc, "default") as c:
+            made = c.create_many(4, image="busybox", pool=False)
+            victims = [s for s in made if s.id.startswith("tk2-")]
+            survivors = [s for s in made if s.id.startswith("tk1-")]
+            assert victims and survivors, [s.id for s in made]
+            lc.nodes[1].stop(signal.SIGKILL)
+            for sb in victims:
+                with pytest.raises(shoal.SandboxLostError, match="node tk2 stopped answering"):
+                    sb.exec("true")
+            for sb in survivors:
+                assert sb.exec("echo ok").stdout == "ok\n"
+            assert all(s.id.startswith("tk1-") for s in c.create_many(2, image="busybox", pool=False))
+            lc.nodes[1].start()  # restarted: it cleans up what the dead process left
+            with shoal.Client(f"shoal://{gw.address}", token=lc.cluster_token) as admin:
+                admin._run(admin._async.call("cluster_nodes", {"nodes": lc.node_map()}))
+            _wait_healthy(gw.address, lc.cluster_token, 2)
+            with pytest.raises(shoal.SandboxLostError, match="died"):
+                victims[0].exec("true")
+            c.close_all()
+        assert not no_leftovers(lc.nodes[1].home, lc.nodes[1].cgroup_parent)
+    finally:
+        lc.stop()
+    for node in lc.nodes:
+        assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
