@@ -18,6 +18,16 @@ from shoal.config import Paths
 from shoal.errors import NodeError
 
 
+def remove_cgroup_parent(name: str) -> None:
+    """Remove a stopped node's (empty) cgroup parent from every hierarchy; a busy one is left alone."""
+    root = Path("/sys/fs/cgroup")
+    for directory in [root / name, *(h / name for h in root.iterdir() if h.is_dir())]:
+        try:
+            directory.rmdir()
+        except OSError:
+            pass
+
+
 class LocalNode:
     def __init__(self, node_id: str, home: Path, cgroup_parent: str, env: dict[str, str]) -> None:
         self.node_id = node_id
@@ -61,11 +71,14 @@ class LocalNode:
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
             except OSError:
-                return
+                break
             if stat.rsplit(")", 1)[1].split()[0] == "Z":
-                return
+                break
             time.sleep(0.05)
-        raise NodeError(f"node {self.node_id} (pid {pid}) did not stop within {timeout} s")
+        else:
+            raise NodeError(f"node {self.node_id} (pid {pid}) did not stop within {timeout} s")
+        if sig == signal.SIGTERM:
+            remove_cgroup_parent(self.cgroup_parent)
 
 
 class LocalGateway:
