@@ -19,6 +19,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'shoa
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from shoal.cluster import ray as shoal_ray  # noqa: E402
+from shoal.cluster.local import remove_cgroup_parent  # noqa: E402
 
 
 class RayShoal:
@@ -170,3 +171,4 @@ def test_nodes_join_and_leave(ray_shoal: RayShoal) -> None:
             c.close_all()
     # the node stopped with its supervisor and closed its sandboxes on the way out
     assert not no_leftovers(new_home, f"shoal-{new_id}", timeout=60, node_stopped=True)
+    remove_cgroup_parent(f"shoal-{new_id}")  # its agent died with the Ray node: tidy the empty parent here
