@@ -5,12 +5,43 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import shoal
 
 
 def _client(args: argparse.Namespace) -> shoal.Client:
-    return shoal.Client(home=args.home)
+    if getattr(args, "ray_address", None):
+        return shoal.Client(ray_address=args.ray_address, token=args.token)
+    return shoal.Client(args.address, home=args.home, token=args.token)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from shoal.cluster import ray as shoal_ray
+
+    if args.action == "up":
+        tokens = json.loads(Path(args.tokens).read_text()) if args.tokens else None
+        env = {"SHOAL_MAX_SANDBOXES": str(args.max_sandboxes)} if args.max_sandboxes else {}
+        info = shoal_ray.cluster_up(
+            args.ray_address, home=args.cluster_home, gateways=args.gateways, gateway_port=args.port,
+            tokens=tokens, node_env=env, resource=args.resource, wait_nodes=args.wait_nodes,
+        )  # fmt: skip
+        addresses = ",".join(f"shoal://{h}:{p}" for h, p in info["gateways"])
+        print(f"shoal cluster up: {len(info['status']['nodes'])} nodes, gateways {addresses}")
+        print(f"connect: shoal.Client({addresses!r}, token=...) or shoal.Client(ray_address={args.ray_address!r})")
+        print(f"default project token: {info['token']}")
+    elif args.action == "down":
+        print(json.dumps(shoal_ray.cluster_down(args.ray_address)))
+    else:
+        print(json.dumps(shoal_ray.cluster_status(args.ray_address), indent=2, default=str))
+    return 0
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from shoal.cluster.top import run
+
+    with _client(args) as client:
+        return run(client, args.interval, args.once)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -133,6 +164,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shoal", description=shoal.__doc__.splitlines()[0])
     parser.add_argument("--home", help="node state directory (default $SHOAL_HOME or /var/lib/shoal)")
+    parser.add_argument("--address", help="shoal://host:port of a gateway or node (default: the local node)")
+    parser.add_argument("--token", help="token for --address (default $SHOAL_TOKEN)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run one command in a fresh sandbox")
     run.add_argument("--kind", default="container")
@@ -182,6 +215,22 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--concurrency", type=int, default=32)
     demo.add_argument("--image", default="debian")
     demo.set_defaults(func=cmd_demo)
+    cluster = sub.add_parser("cluster", help="shoal on a Ray cluster: up, down, status")
+    cluster.add_argument("action", choices=["up", "down", "status"])
+    cluster.add_argument("--ray-address", default="auto")
+    cluster.add_argument("--cluster-home", default="/var/lib/shoal/cluster", help="state directories on each node")
+    cluster.add_argument("--gateways", type=int, default=1)
+    cluster.add_argument("--port", type=int, default=7470, help="first gateway port (0: any free port)")
+    cluster.add_argument("--tokens", help="token file (JSON; default: make one project 'default')")
+    cluster.add_argument("--max-sandboxes", type=int, default=0, help="per node (default: the node's own)")
+    cluster.add_argument("--resource", help="only Ray nodes offering this custom resource run shoal")
+    cluster.add_argument("--wait-nodes", type=int, default=1)
+    cluster.set_defaults(func=cmd_cluster)
+    top = sub.add_parser("top", help="live view of a cluster (through a gateway)")
+    top.add_argument("--ray-address", help="find the gateway through this Ray cluster")
+    top.add_argument("--interval", type=float, default=1.0)
+    top.add_argument("--once", action="store_true", help="print one screen and exit")
+    top.set_defaults(func=cmd_top)
     args = parser.parse_args(argv)
     if getattr(args, "action", None) == "build-base":
         args.action = "build"
