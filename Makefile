@@ -21,7 +21,7 @@ apt:
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,cluster]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -44,6 +44,7 @@ bench: setup
 	$(PY) bench/bench_security.py --userns 100000
 	$(PY) bench/bench_function.py
 	$(PY) bench/bench_humaneval.py
+	$(PY) bench/bench_cluster.py
 
 lint: venv
 	$(VENV)/bin/ruff check src tests bench examples

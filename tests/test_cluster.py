@@ -236,3 +236,12 @@ def test_a_killed_node_loses_only_its_sandboxes(tmp_path: Path) -> None:
         lc.stop()
     for node in lc.nodes:
         assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
+def test_shoal_top_shows_the_cluster(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    from shoal.cli import main
+
+    address = f"shoal://{cluster.gateways[0].address}"
+    assert main(["--address", address, "--token", cluster.project_tokens["bob"], "top", "--once"]) == 0
+    screen = capsys.readouterr().out
+    assert "nodes 2/2 up" in screen and "tc1" in screen and "tc2" in screen and "queued 0" in screen
