@@ -388,8 +388,9 @@ class Gateway:
                 await self.admission.acquire(project, deadline, front=front)
                 front = True
                 try:
-                    options = placement.candidates(self.nodes.values(), kind, image, tried, self.max_inflight)
-                    view = placement.power_of_k(options, self.k, self.rng)
+                    view = placement.choose(
+                        list(self.nodes.values()), kind, image, tried, self.max_inflight, self.k, self.rng
+                    )
                     if view is None:
                         tried.clear()
                         await asyncio.sleep(0.02)  # the view was stale; let the pollers and answers catch up

@@ -50,17 +50,44 @@ def candidates(
     nodes: Iterable[NodeView], kind: str, image: str, exclude: set[str], max_inflight: int
 ) -> list[NodeView]:
     """Healthy nodes that run `kind` and have room; those already holding `image` first if any do."""
-    fit = [
-        n
-        for n in nodes
-        if n.healthy
-        and n.node_id not in exclude
-        and kind in n.kinds
-        and n.inflight < max_inflight
-        and n.free() > n.inflight
-    ]
+    fit = [n for n in nodes if fits(n, kind, exclude, max_inflight)]
     local = [n for n in fit if image in n.images]
     return local or fit
+
+
+def fits(n: NodeView, kind: str, exclude: set[str], max_inflight: int) -> bool:
+    return (
+        n.healthy
+        and kind in n.kinds
+        and n.node_id not in exclude
+        and n.inflight < max_inflight
+        and n.free() > n.inflight
+    )
+
+
+def choose(
+    nodes: list[NodeView],
+    kind: str,
+    image: str,
+    exclude: set[str],
+    max_inflight: int,
+    k: int = 2,
+    rng: random.Random | None = None,
+) -> NodeView | None:
+    """Power-of-k in O(k): draw nodes at random until k fit (a few extra draws allowed), take the least
+    loaded, preferring nodes that hold the image; only if the draws find none, scan every node."""
+    rng = rng or random  # type: ignore[assignment]
+    sample: list[NodeView] = []
+    if len(nodes) > 4 * k:
+        for _ in range(4 * k):
+            n = nodes[rng.randrange(len(nodes))]
+            if n not in sample and fits(n, kind, exclude, max_inflight):
+                sample.append(n)
+                if len(sample) == k:
+                    break
+    if not sample:
+        return power_of_k(candidates(nodes, kind, image, exclude, max_inflight), k, rng)
+    return min(sample, key=lambda n: (image not in n.images, n.load()))
 
 
 def power_of_k(nodes: list[NodeView], k: int = 2, rng: random.Random | None = None) -> NodeView | None:
