@@ -162,6 +162,17 @@ def test_admission_deadline_and_node_rejection_retry(cluster: LocalCluster, bob:
         gw.stop()
 
 
+def test_gateway_discovers_nodes_by_dns_name(cluster: LocalCluster) -> None:
+    port = cluster.nodes[0].address.rpartition(":")[2]
+    gw = LocalGateway("dns", cluster.tokens_file, {}, cluster.workdir, "--discover", f"localhost:{port}",
+                      "--discover-interval", "0.2")  # fmt: skip
+    try:
+        status = _wait_healthy(gw.address, cluster.cluster_token, 1)
+        assert list(status["nodes"]) == ["tc1"]  # learnt its ID by asking it
+    finally:
+        gw.stop()
+
+
 def test_killing_a_gateway_loses_nothing(cluster: LocalCluster) -> None:
     spare = LocalGateway("spare", cluster.tokens_file, cluster.node_map(), cluster.workdir)
     try:

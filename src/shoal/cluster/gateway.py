@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -114,6 +115,30 @@ class Gateway:
             self.gone.pop(node_id, None)
             self.nodes[node_id] = NodeView(node_id=node_id, host=host, port=int(port), since=time.time())
             self._pollers[node_id] = asyncio.create_task(self._poll(node_id))
+
+    async def discover(self, name: str, port: int, interval: float = 5.0) -> None:
+        """Keep the membership equal to the nodes behind a DNS name (e.g. a Kubernetes headless Service):
+        each address is asked who it is (its node ID) over the protocol; an address that leaves DNS is gone."""
+        loop = asyncio.get_running_loop()
+        known: dict[str, str] = {}  # host:port -> node id
+        while True:
+            try:
+                infos = await loop.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+                addresses = {f"{info[4][0]}:{port}" for info in infos}
+            except OSError as exc:
+                log.warning("discovery: cannot resolve %s: %s", name, exc)
+                addresses = set(known)
+            for address in sorted(addresses - set(known)):
+                host = address.rpartition(":")[0]
+                try:
+                    conn = await asyncio.wait_for(Connection.open_tcp(host, port, self.cluster_token), 5)
+                    known[address] = conn.identity["node_id"]
+                    await conn.close()
+                except Exception as exc:  # not up yet: ask again next round
+                    log.info("discovery: %s does not answer yet: %s", address, exc)
+            departed = {known.pop(a): f"its address {a} left {name}" for a in set(known) - addresses}
+            self.set_nodes({node_id: address for address, node_id in known.items()}, departed)
+            await asyncio.sleep(interval)
 
     def _forget(self, node_id: str, reason: str) -> None:
         self.nodes.pop(node_id, None)
@@ -559,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http", default=os.environ.get("SHOAL_GATEWAY_HTTP"), help="host:port for /metrics")
     parser.add_argument("--tokens", default=os.environ.get("SHOAL_TOKENS"), required="SHOAL_TOKENS" not in os.environ)
     parser.add_argument("--node", action="append", default=[], help="node_id=host:port (repeatable)")
+    parser.add_argument("--discover", help="name:port: the nodes are every address this DNS name resolves to")
     parser.add_argument("--name", default=os.environ.get("SHOAL_GATEWAY_NAME", "gw"))
     parser.add_argument("--addr-file", help="write the bound host:port here once serving")
     parser.add_argument(
@@ -566,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-waiting", type=int, default=int(os.environ.get("SHOAL_MAX_WAITING", 200_000)))
     parser.add_argument("--k", type=int, default=2, help="power-of-k-choices sample size")
+    parser.add_argument("--discover-interval", type=float, default=5.0)
     parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between polls of each node")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -580,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
             max_waiting=args.max_waiting,
         )  # fmt: skip
         gateway.set_nodes(nodes)
+        if args.discover:
+            name, _, port = args.discover.rpartition(":")
+            asyncio.ensure_future(gateway.discover(name, int(port), args.discover_interval))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
