@@ -328,6 +328,8 @@ class Gateway:
             raise InvalidRequestError(f"{op} needs a sandbox ID")
         node_id = node_of(sandbox_id)
         view = self.nodes.get(node_id)
+        if op == "kill" and view is None and node_id in self.gone:
+            return None  # its node left the cluster: the sandbox is gone already, and closing twice is fine
         if view is None or not view.healthy:
             raise self._lost(sandbox_id, node_id)
         try:
