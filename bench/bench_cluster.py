@@ -79,6 +79,14 @@ async def overhead(lc: LocalCluster, n: int) -> None:
                 await call()
                 times.append(time.perf_counter() - t)
             print(line(f"{op:<10} {name}", times))
+    for name, client in (("direct to the node", direct), ("through the gateway", gw)):
+        times = []
+        for _ in range(n // 20):
+            t = time.perf_counter()
+            made = await client.create(image="busybox", pool=False)
+            await made.close()
+            times.append(time.perf_counter() - t)
+        print(line(f"create+close {name}", times))
     await sb.close()
     await gw.close()
     await direct.close()

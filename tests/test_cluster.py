@@ -96,6 +96,9 @@ def test_placement_spreads_and_routes_by_id_through_any_gateway(cluster: LocalCl
     with _client(cluster, "bob", gateway=1) as other:  # the second gateway has never seen these IDs
         for sb in made:
             assert other.get(sb.id).exec("echo $HOSTNAME").exit_code == 0
+        stream = other.get(made[1].id).exec_stream("echo one; sleep 0.3; echo two >&2")
+        chunks = [(c.stream, c.data) for c in stream]  # output streams through the gateway as printed
+        assert chunks == [("stdout", b"one\n"), ("stderr", b"two\n")] and stream.result.exit_code == 0
         other.kill(made[0].id)
     with pytest.raises(shoal.SandboxClosedError):
         made[0].exec("true")

@@ -3,8 +3,11 @@ separate raylet with its own shoal node agent and state directory)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,6 +128,25 @@ def test_requests_route_through_either_gateway(ray_shoal: RayShoal) -> None:
         sb = a.create(image="busybox", pool=False)
         assert b.get(sb.id).exec("echo via-b").stdout == "via-b\n"
         b.kill(sb.id)
+
+
+def test_a_fresh_process_connects_with_ray_address_and_the_cli_reports(ray_shoal: RayShoal) -> None:
+    script = (
+        "import shoal, ray\n"
+        f"with shoal.Client(ray_address={ray_shoal.cluster.address!r}) as c:\n"
+        "    with c.create(image='busybox', pool=False) as sb:\n"
+        "        print(sb.exec('echo from-ray').stdout, end='')\n"
+        "print('ray still connected:', ray.is_initialized())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == "from-ray\nray still connected: False\n"
+    cli = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "cluster", "status", "--ray-address", ray_shoal.cluster.address],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert len(json.loads(cli.stdout)["nodes"]) >= 3
 
 
 def test_killed_node_agent_loses_only_its_sandboxes_and_comes_back(ray_shoal: RayShoal) -> None:
