@@ -259,3 +259,31 @@ def test_shoal_top_shows_the_cluster(cluster: LocalCluster, capsys: pytest.Captu
     assert main(["--address", address, "--token", cluster.project_tokens["bob"], "top", "--once"]) == 0
     screen = capsys.readouterr().out
     assert "nodes 2/2 up" in screen and "tc1" in screen and "tc2" in screen and "queued 0" in screen
+
+
+async def test_cancelling_through_the_gateway_leaks_nothing(cluster: LocalCluster) -> None:
+    import asyncio
+
+    address = f"shoal://{cluster.gateways[0].address}"
+    async with shoal.AsyncClient(address, token=cluster.project_tokens["bob"]) as c:
+        sb = await c.create(image="busybox", pool=False)
+        try:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(sb.exec("sleep 60"), 0.5)  # cancel travels client → gateway → node
+            deadline = time.monotonic() + 5
+            while "sleep 60" in (await sb.exec("ps -o args")).stdout:
+                assert time.monotonic() < deadline, "the cancelled command still runs"
+                await asyncio.sleep(0.1)
+            creates = [asyncio.ensure_future(c.create(image="busybox", pool=False)) for _ in range(6)]
+            await asyncio.sleep(0.05)
+            for task in creates:
+                task.cancel()  # some are cancelled before the node answers: the gateway releases those
+            for made in await asyncio.gather(*creates, return_exceptions=True):
+                if isinstance(made, shoal.AsyncSandbox):  # finished before the cancel: ours to close
+                    await made.close()
+            deadline = time.monotonic() + 10
+            while len(await c.list()) != 1:
+                assert time.monotonic() < deadline, [i.id for i in await c.list()]
+                await asyncio.sleep(0.1)
+        finally:
+            await c.close_all()
