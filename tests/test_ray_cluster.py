@@ -172,6 +172,24 @@ def test_killed_node_agent_loses_only_its_sandboxes_and_comes_back(ray_shoal: Ra
             c.close_all()
 
 
+def test_a_restarted_controller_adopts_the_running_nodes(ray_shoal: RayShoal) -> None:
+    before = {n: i["pid"] for n, i in ray_shoal.status()["nodes"].items()}
+    ray.kill(shoal_ray.controller(), no_restart=False)  # Ray restarts it (max_restarts=-1)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            after = {n: i["pid"] for n, i in ray_shoal.status()["nodes"].items()}
+            if len(after) == len(before):
+                break
+        except ray.exceptions.RayError:
+            pass
+        assert time.monotonic() < deadline, "the controller did not come back"
+        time.sleep(0.5)
+    assert after == before  # the same node processes: adopted, not replaced
+    with shoal.Client(ray_address=ray_shoal.cluster.address) as c, c.create(image="busybox", pool=False) as sb:
+        assert sb.exec("echo still").stdout == "still\n"
+
+
 def test_nodes_join_and_leave(ray_shoal: RayShoal) -> None:
     joined = ray_shoal.cluster.add_node(num_cpus=1)
     status = ray_shoal.wait(lambda s: len(s["nodes"]) == 4 and all(n.get("alive") for n in s["nodes"].values()))

@@ -224,15 +224,30 @@ class Controller:
         self.stopping = False
         self.lock = threading.Lock()
         self.errors: list[str] = []
-        self._thread: threading.Thread | None = None
+        self.ready = threading.Event()
+        self.failure: str | None = None
+        # runs from the constructor, so a controller that Ray restarts (max_restarts) resumes by itself,
+        # adopting the agents and gateways that outlived it (they are detached and named)
+        threading.Thread(target=self._run, daemon=True).start()
 
-    def start(self) -> bool:
-        if self._thread is None:
+    def start(self, timeout: float = 180.0) -> bool:
+        """Wait until the gateways are up and the first reconciliation is done."""
+        if not self.ready.wait(timeout):
+            raise NodeError(f"the shoal controller did not come up within {timeout} s: {self.errors}")
+        if self.failure:
+            raise NodeError(f"the shoal controller could not start: {self.failure}")
+        return True
+
+    def _run(self) -> None:
+        try:
             self._start_gateways()
             self.reconcile()
-            self._thread = threading.Thread(target=self._loop, daemon=True)
-            self._thread.start()
-        return True
+        except Exception as exc:
+            self.failure = f"{type(exc).__name__}: {exc}"
+            return
+        finally:
+            self.ready.set()
+        self._loop()
 
     def _start_gateways(self) -> None:
         count = int(self.config.get("gateways", 1))
@@ -241,7 +256,7 @@ class Controller:
         here = ray.get_runtime_context().get_node_id()
         for i in range(count):
             listen = f"0.0.0.0:{port + i if port else 0}"
-            agent = GatewayAgent.options(
+            agent = _adopt(f"shoal-gateway-{i + 1}") or GatewayAgent.options(
                 name=f"shoal-gateway-{i + 1}", namespace=NAMESPACE, lifetime="detached",
                 scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
             ).remote(f"gw{i + 1}", f"{self.home}/gateways", self.tokens, listen, options)  # fmt: skip
@@ -276,6 +291,10 @@ class Controller:
                 if rid not in self.agents:
                     node_id = self.node_id(rid)
                     settings = dict(self.config.get("node_env", {}))
+                    adopted = _adopt(f"shoal-node-{node_id}")
+                    if adopted is not None:
+                        self.agents[rid] = adopted
+                        continue
                     try:
                         self.agents[rid] = NodeAgent.options(
                             name=f"shoal-node-{node_id}", namespace=NAMESPACE, lifetime="detached",
@@ -372,6 +391,14 @@ class Controller:
             return codes
 
 
+def _adopt(name: str) -> Any:
+    """The named actor if it exists (outlived an earlier controller), else None."""
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
 def default_tokens(projects: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """A token file for a new cluster: the cluster's own token and one per project (default: `default`)."""
     projects = projects or {"default": {}}
@@ -424,7 +451,7 @@ def cluster_up(
         "gateway_options": gateway_options or [],
     }
     ctl = Controller.options(
-        name=CONTROLLER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        name=CONTROLLER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
     ).remote(config)  # fmt: skip
     ray.get(ctl.start.remote(), timeout=timeout)
