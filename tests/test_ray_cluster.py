@@ -149,6 +149,21 @@ def test_a_fresh_process_connects_with_ray_address_and_the_cli_reports(ray_shoal
     assert len(json.loads(cli.stdout)["nodes"]) >= 3
 
 
+def test_a_killed_gateway_loses_nothing_and_is_restarted(ray_shoal: RayShoal) -> None:
+    token = ray_shoal.info["token"]
+    both = ",".join(f"shoal://{h}:{p}" for h, p in ray_shoal.info["gateways"])
+    agent = ray.get_actor("shoal-gateway-1", namespace=shoal_ray.NAMESPACE)
+    with shoal.Client(both, token=token) as c:
+        sb = c.create(image="busybox", pool=False)
+        sb.exec("echo kept > /tmp/f")
+        ray.get(agent.kill_gateway.remote(signal.SIGKILL))
+        assert sb.files.read_text("/tmp/f") == "kept\n"  # through the other gateway
+        ray_shoal.wait(lambda s: s["gateways"][0]["restarts"] >= 1)
+        with shoal.Client(ray_address=ray_shoal.cluster.address) as fresh:  # finds the restarted one too
+            assert fresh.get(sb.id).exec("cat /tmp/f").stdout == "kept\n"
+        sb.close()
+
+
 def test_killed_node_agent_loses_only_its_sandboxes_and_comes_back(ray_shoal: RayShoal) -> None:
     with shoal.Client(ray_address=ray_shoal.cluster.address) as c:
         made = c.create_many(6, image="busybox", pool=False)

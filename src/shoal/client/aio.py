@@ -19,6 +19,7 @@ from shoal.images.builder import ImageBuilder
 from shoal.protocol import OutputChunk, SandboxSpec
 
 DEFAULT_TIMEOUT = 60.0
+_REPEATABLE = {"get", "list", "status", "file_read", "file_list", "file_stat", "image_list", "kill", "keepalive"}
 _SPEC_FIELDS = set(SandboxSpec.__struct_fields__)
 
 
@@ -141,6 +142,16 @@ class AsyncClient:
         if self._conn is None:
             await self.connect()
         assert self._conn is not None
+        conn = self._conn
+        try:
+            return await conn.call(op, args, **kw)
+        except NodeError:
+            # the connection broke under the request; over TCP, a request that is safe to repeat is sent
+            # again on a new connection (to the next gateway); others raise, as they may have run
+            if not (self._endpoints and conn.closed and op in _REPEATABLE):
+                raise
+            self._next += 1
+        await self.connect()
         return await self._conn.call(op, args, **kw)
 
     # ---------------------------------------------------------------- sandboxes
