@@ -70,7 +70,12 @@ class AsyncClient:
         return self
 
     async def _open(self) -> Connection:
-        if self.ray_address is not None and not self._endpoints:
+        if self.ray_address is not None:
+            if self._endpoints:
+                try:
+                    return await self._open_tcp()
+                except NodeError:  # the gateways moved (restarted elsewhere): ask Ray again
+                    pass
             from shoal.cluster.ray import connect_info
 
             info = await asyncio.to_thread(connect_info, self.ray_address, self.project)
