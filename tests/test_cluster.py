@@ -89,10 +89,10 @@ def test_direct_node_over_tcp_streams_and_isolates_projects(cluster: LocalCluste
 
 
 def test_placement_spreads_and_routes_by_id_through_any_gateway(cluster: LocalCluster, bob: shoal.Client) -> None:
-    made = bob.create_many(6, image="busybox", pool=False)
+    made = bob.create_many(4, image="busybox", pool=False)
     assert all(isinstance(s, shoal.Sandbox) for s in made), made
     per_node = {n.node_id: sum(s.id.startswith(n.node_id + "-") for s in made) for n in cluster.nodes}
-    assert all(count >= 2 for count in per_node.values()), per_node  # 4 slots each: both nodes used
+    assert all(1 <= count <= 3 for count in per_node.values()), per_node  # 4 would fit on one node
     with _client(cluster, "bob", gateway=1) as other:  # the second gateway has never seen these IDs
         for sb in made:
             assert other.get(sb.id).exec("echo $HOSTNAME").exit_code == 0
