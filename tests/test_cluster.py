@@ -287,3 +287,28 @@ async def test_cancelling_through_the_gateway_leaks_nothing(cluster: LocalCluste
                 await asyncio.sleep(0.1)
         finally:
             await c.close_all()
+
+
+async def test_a_cancel_storm_then_shutdown_leaves_nothing(tmp_path: Path) -> None:
+    """Creates cancelled at random points (client → gateway → node), then everything stops: a destroy that
+    outlived its cancelled request must finish before the node exits."""
+    import asyncio
+    import random
+
+    lc = LocalCluster(tmp_path, nodes=1, prefix="ts")
+    try:
+        gw = lc.add_gateway()
+        _wait_healthy(gw.address, lc.cluster_token, 1)
+        async with shoal.AsyncClient(f"shoal://{gw.address}", token=lc.project_tokens["default"]) as c:
+            for _ in range(20):
+                tasks = [asyncio.ensure_future(c.create(image="busybox", pool=False)) for _ in range(6)]
+                await asyncio.sleep(random.uniform(0.0, 0.15))
+                for task in tasks:
+                    task.cancel()
+                for made in await asyncio.gather(*tasks, return_exceptions=True):
+                    if isinstance(made, shoal.AsyncSandbox):
+                        await made.close()
+    finally:
+        lc.stop()
+    node = lc.nodes[0]
+    assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)

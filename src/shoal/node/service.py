@@ -62,6 +62,7 @@ class NodeService:
         self.network = network.NetworkManager(paths.home)
         self.started_at = time.time()
         self._creating = 0
+        self._destroying: set[asyncio.Future] = set()
         self._reaper: asyncio.Task | None = None
         self.functions = FunctionService(self)
 
@@ -88,9 +89,18 @@ class NodeService:
             self._reaper.cancel()
         await self.functions.stop()
         await self.pools.drain()
+        await self._settle()
         await asyncio.gather(*(self.kill(i, reason="node shut down") for i in list(self.sandboxes)))
+        await self._settle()
         await asyncio.to_thread(self.node_images.mounts.release_all)
         await self.network.cleanup_all()
+
+    async def _settle(self, timeout: float = 60.0) -> None:
+        """Wait for creates and destroys in flight (a destroy outlives its cancelled request), so the
+        process does not exit halfway through one and leave its mounts, cgroups or files behind."""
+        deadline = time.monotonic() + timeout
+        while (self._creating or self._destroying) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     async def reconcile(self) -> list[str]:
         """Remove what sandboxes of an earlier node process left: mounts, cgroups, runtime state, files."""
@@ -261,6 +271,12 @@ class NodeService:
         raise InvalidRequestError(f"user {name!r} does not exist in image {sandbox.spec.image!r}")
 
     async def _destroy(self, sandbox: Sandbox) -> None:
+        task = asyncio.ensure_future(self._destroy_now(sandbox))
+        self._destroying.add(task)
+        task.add_done_callback(self._destroying.discard)
+        await asyncio.shield(task)
+
+    async def _destroy_now(self, sandbox: Sandbox) -> None:
         try:
             await self.substrates[sandbox.spec.kind].destroy(sandbox.instance)
         finally:
