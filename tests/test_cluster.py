@@ -259,6 +259,11 @@ def test_shoal_top_shows_the_cluster(cluster: LocalCluster, capsys: pytest.Captu
     assert main(["--address", address, "--token", cluster.project_tokens["bob"], "top", "--once"]) == 0
     screen = capsys.readouterr().out
     assert "nodes 2/2 up" in screen and "tc1" in screen and "tc2" in screen and "queued 0" in screen
+    node = cluster.nodes[0]  # a node on its own (no gateway) shows as a cluster of one
+    assert (
+        main(["--address", f"shoal://{node.address}", "--token", cluster.project_tokens["bob"], "top", "--once"]) == 0
+    )
+    assert "nodes 1/1 up" in capsys.readouterr().out
 
 
 async def test_cancelling_through_the_gateway_leaks_nothing(cluster: LocalCluster) -> None:

@@ -49,11 +49,26 @@ def render(view: dict[str, Any], previous: dict[str, Any] | None, interval: floa
     return "\n".join(lines)
 
 
+def _view(client: shoal.Client) -> dict[str, Any]:
+    """A gateway's cluster view; a single node (no gateway) is shown as a cluster of one."""
+    try:
+        return client._run(client._async.call("cluster_status"))
+    except shoal.InvalidRequestError:
+        status = client.status()
+        node = {
+            "address": client._async.address, "healthy": True, "reason": "", "sandboxes": status["sandboxes"],
+            "max_sandboxes": status.get("max_sandboxes", 0), "inflight": status.get("creating", 0),
+            "load": status["sandboxes"] / max(1, status.get("max_sandboxes", 1)),
+            "pool_hits": status.get("pool_hits", 0), "pool_misses": status.get("pool_misses", 0),
+        }  # fmt: skip
+        return {"gateway": "(none: one node)", "nodes": {status["node_id"]: node}}
+
+
 def run(client: shoal.Client, interval: float = 1.0, once: bool = False) -> int:
     """Redraw every `interval` seconds until Ctrl-C (or print one screen with `once`)."""
     previous = None
     while True:
-        view = client._run(client._async.call("cluster_status"))
+        view = _view(client)
         text = render(view, previous, interval)
         if once:
             print(text)
