@@ -80,3 +80,26 @@ def test_choose_prefers_free_and_local_nodes() -> None:
     full = [NodeView(node_id="x", host="h", port=1, healthy=True, kinds=frozenset({"container"}), max_sandboxes=1,
                      polled=1)]  # fmt: skip
     assert choose(full, "container", "debian", set(), 32) is None
+
+
+async def test_gateway_without_healthy_nodes_says_so() -> None:
+    from shoal.cluster.auth import Tokens
+    from shoal.cluster.gateway import Gateway
+
+    gateway = Gateway(Tokens({"tokens": {"secret": "@cluster", "p": "proj"}}))
+    gateway.set_nodes({"n1": "127.0.0.1:9"})  # nothing listens there: the poller marks it down
+    for _ in range(100):
+        if gateway.nodes["n1"].reason != "not contacted yet":
+            break
+        await asyncio.sleep(0.02)
+    try:
+        with pytest.raises(shoal.CapacityError, match=r"no healthy node in the cluster \(n1: ConnectionRefusedError"):
+            await gateway.create("proj", {"spec": {"image": "busybox"}})
+        with pytest.raises(shoal.SandboxLostError, match="n1 stopped answering"):
+            await gateway.dispatch(gateway.tokens.authenticate("p"), "get", {"sandbox_id": "n1-0123456789ab"}, print)
+        gateway._pollers["n1"].cancel()  # from here the view is ours: a healthy container node
+        gateway.nodes["n1"].healthy, gateway.nodes["n1"].kinds = True, frozenset({"container"})
+        with pytest.raises(shoal.UnsupportedKindError, match="'teapot': no node in this cluster runs it"):
+            await gateway.create("proj", {"spec": {"kind": "teapot"}})
+    finally:
+        await gateway.close()

@@ -395,7 +395,9 @@ class Gateway:
     async def create(self, project: str, args: dict[str, Any]) -> Any:
         spec = dict(args.get("spec") or {})
         kind, image = spec.get("kind", "container"), spec.get("image", "debian")
-        if self.nodes and kind not in self._kinds():
+        if not self.healthy():  # nothing to wait for: say so now rather than at the deadline
+            raise CapacityError(f"no healthy node in the cluster ({self._down()}); start or fix nodes")
+        if kind not in self._kinds():
             raise UnsupportedKindError(
                 f"kind {kind!r}: no node in this cluster runs it (kinds: {sorted(self._kinds())})"
             )
