@@ -51,6 +51,7 @@ ROUTED = {
     "file_remove", "shell_open", "shell_run", "shell_close",
 }  # fmt: skip
 ADMIN_FANOUT = {"pool_set", "image_build"}
+NOT_CONTACTED = placement.NOT_CONTACTED
 
 
 def node_of(sandbox_id: str) -> str:
@@ -395,6 +396,10 @@ class Gateway:
     async def create(self, project: str, args: dict[str, Any]) -> Any:
         spec = dict(args.get("spec") or {})
         kind, image = spec.get("kind", "container"), spec.get("image", "debian")
+        for _ in range(100):  # a gateway that just started: give the first polls up to 5 s
+            if self.healthy() or all(v.reason != NOT_CONTACTED for v in self.nodes.values()):
+                break
+            await asyncio.sleep(0.05)
         if not self.healthy():  # nothing to wait for: say so now rather than at the deadline
             raise CapacityError(f"no healthy node in the cluster ({self._down()}); start or fix nodes")
         if kind not in self._kinds():

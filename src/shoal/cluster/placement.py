@@ -13,13 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+NOT_CONTACTED = "not contacted yet"
+
+
 @dataclass
 class NodeView:
     node_id: str
     host: str
     port: int
     healthy: bool = False
-    reason: str = "not contacted yet"
+    reason: str = NOT_CONTACTED
     since: float = 0.0  # when `healthy` last changed
     kinds: frozenset[str] = frozenset()
     images: frozenset[str] = frozenset()
