@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-
 NOT_CONTACTED = "not contacted yet"
 
 
