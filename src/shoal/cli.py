@@ -22,6 +22,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     if args.action == "up":
         tokens = json.loads(Path(args.tokens).read_text()) if args.tokens else None
         env = {"SHOAL_MAX_SANDBOXES": str(args.max_sandboxes)} if args.max_sandboxes else {}
+        if args.images:
+            env["SHOAL_IMAGES"] = args.images
         info = shoal_ray.cluster_up(
             args.ray_address, home=args.cluster_home, gateways=args.gateways, gateway_port=args.port,
             tokens=tokens, node_env=env, resource=args.resource, wait_nodes=args.wait_nodes,
@@ -223,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument("--port", type=int, default=7470, help="first gateway port (0: any free port)")
     cluster.add_argument("--tokens", help="token file (JSON; default: make one project 'default')")
     cluster.add_argument("--max-sandboxes", type=int, default=0, help="per node (default: the node's own)")
+    cluster.add_argument("--images", help="image store on each machine (default /var/lib/shoal/images)")
     cluster.add_argument("--resource", help="only Ray nodes offering this custom resource run shoal")
     cluster.add_argument("--wait-nodes", type=int, default=1)
     cluster.set_defaults(func=cmd_cluster)

@@ -141,6 +141,8 @@ class NodeAgent:
             "SHOAL_TCP": settings.get("tcp", "0.0.0.0:0"),
             "SHOAL_HTTP": settings.get("http", "0.0.0.0:0"),
             "SHOAL_TOKENS": str(tokens_file),
+            # images are shared by the nodes of a machine (read-only layers), not built once per node
+            "SHOAL_IMAGES": os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/images"),
             **{k: v for k, v in settings.items() if k.startswith("SHOAL_")},
         }
         self.supervisor = Supervisor(
