@@ -37,8 +37,11 @@ class RayShoal:
     def wait(self, predicate, timeout: float = 60.0) -> dict:  # noqa: ANN001
         deadline = time.monotonic() + timeout
         while True:
-            status = self.status()
-            if predicate(status):
+            try:
+                status = self.status()
+            except ray.exceptions.RayError as exc:  # the controller is restarting: ask again
+                status = {"error": str(exc)}
+            if "error" not in status and predicate(status):
                 return status
             assert time.monotonic() < deadline, f"timed out; cluster status: {status}"
             time.sleep(0.5)
@@ -52,8 +55,11 @@ class RayShoal:
     def wait_gateway(self, predicate, timeout: float = 60.0) -> dict:  # noqa: ANN001
         deadline = time.monotonic() + timeout
         while True:
-            view = self.gateway_view()
-            if predicate(view):
+            try:
+                view = self.gateway_view()
+            except (ray.exceptions.RayError, shoal.NodeError) as exc:  # restarting controller or gateway
+                view = {"error": str(exc)}
+            if "error" not in view and predicate(view):
                 return view
             assert time.monotonic() < deadline, f"timed out; gateway view: {view}"
             time.sleep(0.5)
@@ -73,7 +79,8 @@ def ray_shoal(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayShoal]:
         cluster.add_node(num_cpus=1)
         ray.init(address=cluster.address, namespace=shoal_ray.NAMESPACE, log_to_driver=False)
         env = {"SHOAL_IMAGES": str(IMAGES), "SHOAL_MAX_SANDBOXES": "6"}
-        info = shoal_ray.cluster_up(home=str(home), gateways=2, node_env=env, wait_nodes=3)
+        tokens = shoal_ray.default_tokens({"default": {}, "small": {"sandboxes": 2}})
+        info = shoal_ray.cluster_up(home=str(home), gateways=2, node_env=env, wait_nodes=3, tokens=tokens)
         rs = RayShoal(cluster, home, info)
         rs.wait_gateway(lambda v: sum(n["healthy"] for n in v["nodes"].values()) == 3)
         yield rs
@@ -162,6 +169,27 @@ def test_a_killed_gateway_loses_nothing_and_is_restarted(ray_shoal: RayShoal) ->
         with shoal.Client(ray_address=ray_shoal.cluster.address) as fresh:  # finds the restarted one too
             assert fresh.get(sb.id).exec("cat /tmp/f").stdout == "kept\n"
         sb.close()
+
+
+def test_tokens_quotas_and_admission_on_ray(ray_shoal: RayShoal) -> None:
+    (host, port), _ = shoal_ray.connect_info(ray_shoal.cluster.address)["gateways"]  # as they are now
+    with pytest.raises(shoal.AuthenticationError, match="unknown token"):
+        shoal.Client(f"shoal://{host}:{port}", token="shoal_forged")
+    with shoal.Client(ray_address=ray_shoal.cluster.address, project="small") as small:
+        try:
+            small.create(image="busybox", pool=False)
+            small.create(image="busybox", pool=False)
+            with pytest.raises(shoal.QuotaExceededError, match="'small'.*sandboxes quota"):
+                small.create(image="busybox", pool=False)
+        finally:
+            small.close_all()
+    with pytest.raises(shoal.NodeError, match="no token"):
+        shoal.Client(ray_address=ray_shoal.cluster.address, project="nobody")
+    with shoal.Client(ray_address=ray_shoal.cluster.address) as c:  # 24 creates, 18 slots: the rest queue
+        start = time.time()
+        made = c.create_many(24, image="busybox", pool=False, ttl_s=2)
+        assert all(isinstance(s, shoal.Sandbox) for s in made), made
+        assert sum(s.info.created_at - start > 1.5 for s in made) >= 6
 
 
 def test_killed_node_agent_loses_only_its_sandboxes_and_comes_back(ray_shoal: RayShoal) -> None:

@@ -87,8 +87,8 @@ class Supervisor:
             log.warning("%s exited with %s: restarting it", self.name, code)
             time.sleep(min(5.0, 0.5 * (self.restarts + 1)))
             try:
-                self.restarts += 1
                 self._start()
+                self.restarts += 1  # counted once it serves again, at its new address
             except Exception as exc:  # keep trying: the next wait returns at once
                 log.error("%s: restart failed: %s", self.name, exc)
 
