@@ -48,9 +48,11 @@ log = logging.getLogger("shoal.gateway")
 
 ROUTED = {
     "get", "kill", "keepalive", "exec", "file_write", "file_read", "file_list", "file_stat", "file_mkdir",
-    "file_remove", "shell_open", "shell_run", "shell_close",
+    "file_remove", "shell_open", "shell_run", "shell_close", "sandbox_snapshot",
 }  # fmt: skip
-ADMIN_FANOUT = {"pool_set", "image_build"}
+# sent to every healthy node; answered as {node_id: result}
+ADMIN_FANOUT = {"pool_set", "image_build", "image_rm", "image_prune", "image_tag", "image_squash", "image_pull"}
+READ_FANOUT = {"image_ls", "image_inspect"}
 NOT_CONTACTED = placement.NOT_CONTACTED
 
 
@@ -297,7 +299,7 @@ class Gateway:
             if project is None:
                 raise InvalidRequestError("create through a gateway needs a project (use a project token)")
             return await self.create(project, args)
-        if op in ("list", "close_all", "status", "image_list") or op in ADMIN_FANOUT:
+        if op in ("list", "close_all", "status", "image_list") or op in ADMIN_FANOUT or op in READ_FANOUT:
             if op in ADMIN_FANOUT and project is not None and not ident.cluster:
                 raise AuthenticationError(f"operation {op!r} needs a cluster (admin) token, not project {project!r}'s")
             return await self._fanout(op, args, project)
