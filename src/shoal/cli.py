@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument("--port", type=int, default=7470, help="first gateway port (0: any free port)")
     cluster.add_argument("--tokens", help="token file (JSON; default: make one project 'default')")
     cluster.add_argument("--max-sandboxes", type=int, default=0, help="per node (default: the node's own)")
-    cluster.add_argument("--images", help="image store on each machine (default /var/lib/shoal/images)")
+    cluster.add_argument("--images", help="image store on each machine (default /var/lib/shoal/store)")
     cluster.add_argument("--resource", help="only Ray nodes offering this custom resource run shoal")
     cluster.add_argument("--wait-nodes", type=int, default=1)
     cluster.set_defaults(func=cmd_cluster)

@@ -132,7 +132,7 @@ class LocalCluster:
         self.tokens_file.chmod(0o600)
         env = {"SHOAL_TCP": "127.0.0.1:0", "SHOAL_TOKENS": str(self.tokens_file), "SHOAL_HTTP": "127.0.0.1:0"}
         env["SHOAL_MAX_SANDBOXES"] = str(max_sandboxes)
-        env["SHOAL_IMAGES"] = images or os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/images")
+        env["SHOAL_IMAGES"] = images or os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/store")
         self.env = env
         self.nodes: list[LocalNode] = []
         self.gateways: list[LocalGateway] = []

@@ -142,7 +142,7 @@ class NodeAgent:
             "SHOAL_HTTP": settings.get("http", "0.0.0.0:0"),
             "SHOAL_TOKENS": str(tokens_file),
             # images are shared by the nodes of a machine (read-only layers), not built once per node
-            "SHOAL_IMAGES": os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/images"),
+            "SHOAL_IMAGES": os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/store"),
             **{k: v for k, v in settings.items() if k.startswith("SHOAL_")},
         }
         self.supervisor = Supervisor(
