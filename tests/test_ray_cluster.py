@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def ray_shoal(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayShoal]:
     finally:
         ray.shutdown()
         cluster.shutdown()
-        os.environ.pop("RAY_TMPDIR", None)
+        shutil.rmtree(os.environ.pop("RAY_TMPDIR"), ignore_errors=True)  # Ray's session logs
     for node_home, cgroup_parent in homes:
         assert not no_leftovers(Path(node_home), cgroup_parent, node_stopped=True)
     assert not _processes(f"/tmp/rs8-{os.getpid()}") and not _processes(str(home))
