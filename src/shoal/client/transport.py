@@ -101,6 +101,8 @@ class Connection:
                 call.on_orphan = on_orphan
                 cancel = Request(id=next(self._ids), op="cancel", args={"request_id": request_id})
                 self._writer.write(protocol.encode(cancel))
+            elif on_orphan and call.future.done() and not call.future.cancelled() and not call.future.exception():
+                on_orphan(call.future.result())  # answered, but we were cancelled before resuming: release it
             raise
         finally:
             if not call.abandoned:
