@@ -108,6 +108,12 @@ def test_placement_spreads_and_routes_by_id_through_any_gateway(cluster: LocalCl
         bob.get("plainname")
 
 
+def test_function_calls_through_the_gateway(cluster: LocalCluster, bob: shoal.Client) -> None:
+    """Stateless calls go to any node that runs the function kind; no sandbox is left."""
+    assert [bob.call("6 * 7") for _ in range(4)] == [42] * 4
+    assert bob.list() == []
+
+
 def test_quota_exceeded_is_refused_cluster_wide(cluster: LocalCluster) -> None:
     with _client(cluster, "alice") as alice:
         try:

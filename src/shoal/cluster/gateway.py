@@ -48,8 +48,9 @@ log = logging.getLogger("shoal.gateway")
 
 ROUTED = {
     "get", "kill", "keepalive", "exec", "file_write", "file_read", "file_list", "file_stat", "file_mkdir",
-    "file_remove", "shell_open", "shell_run", "shell_close", "sandbox_snapshot",
+    "file_remove", "shell_open", "shell_run", "shell_close", "sandbox_snapshot", "set_network",
 }  # fmt: skip
+ANYWHERE = {"fn_call", "fn_run_code"}  # stateless calls: any node that runs the kind, the least loaded of k
 # sent to every healthy node; answered as {node_id: result}
 ADMIN_FANOUT = {"pool_set", "image_build", "image_rm", "image_prune", "image_tag", "image_squash", "image_pull"}
 READ_FANOUT = {"image_ls", "image_inspect"}
@@ -293,8 +294,10 @@ class Gateway:
                 raise AuthenticationError("cluster_nodes needs the cluster token")
             self.set_nodes(args.get("nodes") or {}, args.get("gone") or {})
             return sorted(self.nodes)
-        if op in ROUTED:
+        if op in ROUTED or (op in ANYWHERE and args.get("sandbox_id")):
             return await self._routed(op, args, project, on_event)
+        if op in ANYWHERE:
+            return await self._anywhere(op, args, project, on_event)
         if op == "create":
             if project is None:
                 raise InvalidRequestError("create through a gateway needs a project (use a project token)")
@@ -351,6 +354,22 @@ class Gateway:
             view.delta -= 1
             self.admission.pump()
         return result
+
+    async def _anywhere(self, op: str, args: dict[str, Any], project: str | None, on_event: Callable) -> Any:
+        kind = (args.get("spec") or {}).get("kind", "function")
+        if project is not None:
+            args["_project"] = project
+        tried: set[str] = set()
+        while True:
+            options = [v for v in self.healthy() if kind in v.kinds and v.node_id not in tried]
+            view = placement.power_of_k(options, self.k, self.rng)
+            if view is None:
+                raise CapacityError(f"no healthy node runs kind {kind!r} ({self._down()}); start or fix nodes")
+            try:
+                return await (await self._conn(view)).call(op, args, on_event=on_event)
+            except (NodeError, OSError, TimeoutError) as exc:  # the node went away: another one
+                self._mark(view, False, f"{type(exc).__name__}: {exc}")
+                tried.add(view.node_id)
 
     async def _fanout(self, op: str, args: dict[str, Any], project: str | None) -> Any:
         views = self.healthy()
