@@ -36,6 +36,8 @@ def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dic
         parent = hierarchy / cgroup_parent
         if parent.is_dir():
             cgroup_dirs += [str(p) for p in parent.iterdir() if p.is_dir()]
+            if node_stopped:  # a node that stopped cleanly removes its own parent too
+                cgroup_dirs.append(str(parent))
     agents = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import errno
 import logging
 import os
@@ -94,6 +95,9 @@ class NodeService:
         await self._settle()
         await asyncio.to_thread(self.node_images.mounts.release_all)
         await self.network.cleanup_all()
+        for parent in cgroups.sandbox_dirs(f"/{self.settings.cgroup_parent}"):
+            with contextlib.suppress(OSError):  # still holds a sandbox's cgroup: keep it
+                parent.rmdir()
 
     async def _settle(self, timeout: float = 60.0) -> None:
         """Wait for creates and destroys in flight (a destroy outlives its cancelled request), so the
