@@ -373,7 +373,19 @@ class NodeService:
                     log.warning("reaper: could not close %s: %s", sandbox_id, exc)
 
     async def _agent_alive(self, sandbox: Sandbox) -> bool:
-        """Does the sandbox's agent (PID 1) still answer? A dropped connection alone does not say."""
+        """Does the sandbox's agent (PID 1) still live? A dropped connection alone does not say.
+
+        Where the node knows the agent's host pid, the process table answers (a busy host cannot make
+        that look like death); otherwise the agent must answer a hello.
+        """
+        pid = sandbox.instance.extra.get("pid")
+        if pid:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                mine = f"{sandbox.instance.cgroup_path}\n" in Path(f"/proc/{pid}/cgroup").read_text()
+            except (OSError, IndexError):
+                return False
+            return mine and state not in ("Z", "X")
         try:
             await asyncio.wait_for(sandbox.agent.hello(), 5)
         except AgentError:  # it answered, with an error (e.g. it cannot fork at the pids limit)
