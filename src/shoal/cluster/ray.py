@@ -478,16 +478,28 @@ def cluster_down(address: str | None = None) -> dict[str, Any]:
     return codes
 
 
+def _ask_controller(method: str, *args: Any, patience: float = 120.0) -> Any:
+    """Call the controller, waiting out a restart (Ray restarts it; calls meanwhile are refused)."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return ray.get(getattr(controller(), method).remote(*args))
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def cluster_status(address: str | None = None) -> dict[str, Any]:
     _ensure_ray(address)
-    return ray.get(controller().status.remote())
+    return _ask_controller("status")
 
 
 def connect_info(address: str | None, project: str | None = None) -> dict[str, Any]:
     """Where the gateways are and a token for `project` (what `shoal.Client(ray_address=...)` uses)."""
     connected = _ensure_ray(address)
     try:
-        return ray.get(controller().connect_info.remote(project))
+        return _ask_controller("connect_info", project)
     finally:
         if connected:
             ray.shutdown()
