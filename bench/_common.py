@@ -8,7 +8,7 @@ import statistics
 import time
 from pathlib import Path
 
-IMAGES = os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/images")
+IMAGES = os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/store")
 
 
 def pct(values: list[float], q: float) -> float:

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from shoal import cgroups, linux  # noqa: E402
 from shoal.images import ImageStore  # noqa: E402
+from shoal.images.erofs import mount_image  # noqa: E402
 from shoal.substrates.container.oci import bundle_config  # noqa: E402
 
 WORK = Path("/tmp/shoal-bench-raw")
@@ -33,8 +34,17 @@ def enter_runtime_namespace() -> None:
 
 
 def layer() -> str:
-    image = ImageStore(Path(os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/images"))).get("busybox")
-    return str(image.layers[0])
+    """The busybox layer as a directory: its `fs/` tree, or its EROFS image mounted in this process's
+    private mount namespace (gone when the process exits)."""
+    image = ImageStore(Path(os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/store"))).get("busybox")
+    layer_dir = image.layers[0]
+    if (layer_dir / "fs").is_dir():
+        return str(layer_dir / "fs")
+    target = WORK / "lower"
+    if not linux.is_mountpoint(str(target)):
+        target.mkdir(parents=True, exist_ok=True)
+        mount_image(layer_dir / "fs.erofs", target)
+    return str(target)
 
 
 def bundle(i: int, lower: str) -> Path:

@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     home = os.environ.setdefault("SHOAL_HOME", "/tmp/shoal-bench-security")
     os.environ.setdefault("SHOAL_CGROUP_PARENT", "shoal-bench-security")
-    os.environ.setdefault("SHOAL_IMAGES", "/var/lib/shoal/images")
+    os.environ.setdefault("SHOAL_IMAGES", "/var/lib/shoal/store")
     paths = Paths.from_env()
     if not paths.socket.exists():
         spawn_background(paths)
