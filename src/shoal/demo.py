@@ -29,7 +29,7 @@ async def _demo(count: int, image: str, concurrency: int, home: str | None) -> i
         warm = await client.create(image=image, pool=False)  # builds the image on first use
         await warm.close()
         await client.close_all(labels={"demo": "shoal"})
-        mem_before = _meminfo_used_mb()
+        mem_before = meminfo_used_mb()
         create_s: list[float] = []
         exec_s: list[float] = []
         gate = asyncio.Semaphore(concurrency)
@@ -55,7 +55,7 @@ async def _demo(count: int, image: str, concurrency: int, home: str | None) -> i
         print(f"\n  {len(sandboxes)} ready in {create_wall:.2f} s ({len(sandboxes) / create_wall:.0f}/s)")
         for failure in failures[:3]:
             print(f"  failed: {failure!r}")
-        mem_used = _meminfo_used_mb()
+        mem_used = meminfo_used_mb()
 
         async def work(sb: shoal.AsyncSandbox) -> bool:
             async with gate:
@@ -82,7 +82,8 @@ async def _demo(count: int, image: str, concurrency: int, home: str | None) -> i
         return 0 if ok == len(sandboxes) == count else 1
 
 
-def _meminfo_used_mb() -> float:
+def meminfo_used_mb() -> float:
+    """Host memory in use (MemTotal - MemAvailable), in MiB."""
     fields = {}
     with open("/proc/meminfo") as handle:
         for line in handle:
