@@ -59,16 +59,26 @@ async def test_failed_batch_leaves_nothing(tmp_path) -> None:  # noqa: ANN001
 
 
 def test_killed_node_is_reconciled_on_restart(tmp_path) -> None:  # noqa: ANN001
+    """Running sandboxes are re-adopted; those that died meanwhile are removed and reported lost."""
     doomed = NodeProcess(tmp_path / "home", f"shoal-test-kill-{os.getpid()}").start()
     with doomed.client() as client:
         sandboxes = [client.create(image="busybox", pool=False) for _ in range(5)]
         for sb in sandboxes:
             sb.exec("sleep 1000 &")
+        client.set_pool(image="busybox", size=1, wait=True)  # warm members are not adoptable: removed
     doomed.stop(signal.SIGKILL)
     found = leftovers(doomed.home, doomed.cgroup_parent)
-    assert len(found["agents"]) == 5 and len(found["mounts"]) == 5  # still running after the crash
+    assert len(found["agents"]) == 6 and len(found["mounts"]) == 6  # still running after the crash
+    dead = sandboxes[:2]
+    for sb in dead:  # these die while no node watches them
+        os.kill(int((doomed.home / "sandboxes" / sb.id / "pid").read_text()), signal.SIGKILL)
     restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
     try:
+        with restarted.client() as client:
+            assert sorted(client.status()["adopted"]) == sorted(s.id for s in sandboxes[2:])
+            assert {s.id for s in dead} <= set(client.status()["lost"])
+            assert len(leftovers(restarted.home, restarted.cgroup_parent)["mounts"]) == 3
+            client.close_all()
         assert not no_leftovers(restarted.home, restarted.cgroup_parent)
     finally:
         restarted.stop()
@@ -117,7 +127,8 @@ def test_full_disk_is_a_clear_capacity_error(tmp_path) -> None:  # noqa: ANN001
         small = NodeProcess(home, f"shoal-test-disk-{os.getpid()}").start()
         try:
             with small.client() as client:
-                sb = client.create(image="busybox", pool=False)
+                # record=False: the trajectory log shares this full disk (a logged step would raise CapacityError)
+                sb = client.create(image="busybox", pool=False, record=False)
                 sb.exec("dd if=/dev/zero of=/fill bs=1M count=8 2>/dev/null; true")
                 with pytest.raises(shoal.CapacityError, match="no space left"):
                     client.create(image="busybox", pool=False)

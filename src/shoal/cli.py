@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import sys
 from pathlib import Path
@@ -74,6 +75,23 @@ def cmd_rm(args: argparse.Namespace) -> int:
             print(f"closed {client.close_all()} sandboxes")
         for sandbox_id in args.ids:
             client.kill(sandbox_id)
+    return 0
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    labels = dict(item.partition("=")[::2] for item in args.label)
+    with _client(args) as client:
+        if args.cmd == "pause":
+            done = [p["id"] for p in client.pause_all(labels)] if labels else []
+            for sandbox_id in args.ids:
+                client.get(sandbox_id).pause()
+                done.append(sandbox_id)
+            print(f"paused {len(done)} sandboxes")
+        else:
+            count = client.resume_all(labels) if labels else 0
+            for sandbox_id in args.ids:
+                client.get(sandbox_id).resume()
+            print(f"resumed {count + len(args.ids)} sandboxes")
     return 0
 
 
@@ -157,6 +175,53 @@ def cmd_image(args: argparse.Namespace) -> int:
     return 0
 
 
+def _jsonable(value: object) -> object:
+    """Bytes as text when they are UTF-8, else {"base64": ...}; containers converted recursively."""
+    if isinstance(value, bytes | bytearray):
+        try:
+            return bytes(value).decode()
+        except UnicodeDecodeError:
+            return {"base64": base64.b64encode(value).decode()}
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _outcome(step: dict) -> str:
+    if step["error_type"]:
+        return f"{step['error_type']}: {step['error']}"
+    result = step["result"]
+    if isinstance(result, dict) and "exit_code" in result:
+        out = (result["stdout"] + result["stderr"]).decode(errors="replace").strip().replace("\n", "\\n")
+        return f"exit {result['exit_code']}" + (f": {out[:100]}" if out else "")
+    text = repr(_jsonable(result))
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def cmd_log(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        log = client.log(args.target)
+    if args.action == "export":
+        lines = "".join(json.dumps(_jsonable(step)) + "\n" for step in log["steps"])
+        if args.output in (None, "-"):
+            sys.stdout.write(lines)
+        else:
+            with open(args.output, "w") as handle:
+                handle.write(lines)
+        return 0
+    record = log["sandbox"] or {}
+    state = record.get("status", "?") + (f" ({record['reason']})" if record.get("reason") else "")
+    print(f"sandbox {record.get('id')}  trajectory {record.get('trajectory')}  image {record.get('image')}  {state}")
+    for step in log["steps"]:
+        took = "  (unfinished)"
+        if step["finished_at"]:
+            took = f"{(step['finished_at'] - step['started_at']) * 1000:8.1f} ms"
+        print(f"{step['seq']:>6}  {took}  {step['summary']}  ->  {_outcome(step)}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from shoal.demo import run_demo
 
@@ -181,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     rm.add_argument("ids", nargs="*")
     rm.add_argument("--all", action="store_true")
     rm.set_defaults(func=cmd_rm)
+    for verb in ("pause", "resume"):
+        pause = sub.add_parser(verb, help=f"{verb} sandboxes (by ID, or all with --label k=v)")
+        pause.add_argument("ids", nargs="*")
+        pause.add_argument("--label", action="append", default=[], help="k=v; repeat to require several")
+        pause.set_defaults(func=cmd_pause)
     sub.add_parser("node", help="run the node agent in the foreground").set_defaults(func=cmd_node)
     sub.add_parser("status", help="the node's figures").set_defaults(func=cmd_status)
     sub.add_parser("doctor", help="what this host can do, and remedies").set_defaults(func=cmd_doctor)
@@ -212,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     image.add_argument("--no-cache", action="store_true")
     image.add_argument("--force", action="store_true")
     image.set_defaults(func=cmd_image)
+    log = sub.add_parser("log", help="show or export (JSONL) a sandbox's trajectory log")
+    log.add_argument("action", choices=["show", "export"])
+    log.add_argument("target", help="sandbox ID or trajectory name")
+    log.add_argument("-o", "--output", help="export to this file (default: stdout)")
+    log.set_defaults(func=cmd_log)
     demo = sub.add_parser("demo", help="create a few hundred sandboxes concurrently and use them")
     demo.add_argument("--count", type=int, default=300)
     demo.add_argument("--concurrency", type=int, default=32)

@@ -57,6 +57,7 @@ class NodeSettings:
     pool_sizes: dict[str, int] = field(default_factory=dict)  # "[kind:]image" → warm sandboxes kept
     max_sandboxes: int = 20000
     cgroup_parent: str = "shoal"
+    log_retention_s: float = 7 * 86400  # trajectory logs of closed sandboxes are kept this long
 
     @classmethod
     def from_env(cls, home: Path | None = None) -> NodeSettings:
@@ -70,6 +71,7 @@ class NodeSettings:
             pool_sizes=pools,
             max_sandboxes=int(os.environ.get("SHOAL_MAX_SANDBOXES", "20000")),
             cgroup_parent=os.environ.get("SHOAL_CGROUP_PARENT") or default_cgroup_parent(home),
+            log_retention_s=float(os.environ.get("SHOAL_LOG_RETENTION_S", str(7 * 86400))),
         )
 
 

@@ -42,6 +42,10 @@ class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     network: str | list[str] | dict[str, bool] = "none"  # late-bound: "none", a preset, rules, {"pypi": True}
     disk_mb: int | None = None  # cap on what the sandbox may write (its overlay upper)
     preimport: list[str] = []  # function kind: modules its warm workers import before forking calls
+    idle_timeout_s: float | None = None  # late-bound: no request for this long ends (or pauses) it
+    on_timeout: str = "kill"  # late-bound: "kill" | "pause", when ttl_s or idle_timeout_s runs out
+    trajectory: str | None = None  # late-bound: a name; create() with a live trajectory's name attaches
+    record: bool = True  # late-bound: log every step (durably, before its result returns)
 
     def pool_key(self) -> str:
         """Sandboxes that differ only in late-bound fields share a warm pool."""
@@ -61,6 +65,11 @@ class SandboxInfo(msgspec.Struct, kw_only=True):
     expires_at: float | None = None
     owner: str | None = None
     workdir: str = "/"
+    trajectory: str | None = None
+    steps: int = 0  # steps in its trajectory log
+    last_active_at: float = 0.0
+    idle_timeout_s: float | None = None
+    on_timeout: str = "kill"
 
 
 class ExecRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -75,6 +84,7 @@ class ExecRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     output_cap_bytes: int | None = None
     merge_stderr: bool = False
     stream: bool = False
+    seq: int | None = None  # the step's place in the trajectory log (None: append)
 
 
 class ExecResult(msgspec.Struct, kw_only=True):

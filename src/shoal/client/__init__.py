@@ -1,6 +1,6 @@
 """The shoal SDK."""
 
-from shoal.client.aio import AsyncClient, AsyncFiles, AsyncSandbox, AsyncShell, ExecStream
+from shoal.client.aio import AsyncClient, AsyncFiles, AsyncSandbox, AsyncShell, ExecStream, ReplayReport
 from shoal.client.results import CommandError, ExecResult, FileEntry, SandboxInfo
 from shoal.client.sync import Client, Files, Sandbox, Shell
 
@@ -15,6 +15,7 @@ __all__ = [
     "ExecStream",
     "FileEntry",
     "Files",
+    "ReplayReport",
     "Sandbox",
     "SandboxInfo",
     "Shell",

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import getpass
 import os
+import socket
 import stat as stat_module
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +16,16 @@ from shoal import protocol
 from shoal.client import functions
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.client.transport import Connection
+from shoal.client.transport import _error as wire_error
 from shoal.config import Paths
-from shoal.errors import NodeError, ShoalError
+from shoal.errors import DivergenceError, NodeError, ShoalError
 from shoal.images.builder import ImageBuilder
 from shoal.protocol import OutputChunk, SandboxSpec
+from shoal.steps import describe, divergence_message, step_key
 
 DEFAULT_TIMEOUT = 60.0
 _REPEATABLE = {"get", "list", "status", "file_read", "file_list", "file_stat", "image_list", "kill", "keepalive"}
+FF_PAGE = 512  # log entries fetched per round trip while fast-forwarding
 _SPEC_FIELDS = set(SandboxSpec.__struct_fields__)
 
 
@@ -51,7 +57,10 @@ class AsyncClient:
         token: str | None = None,
         ray_address: str | None = None,
         project: str | None = None,
+        owner: str | None = None,
     ) -> None:
+        # stamped on every sandbox this client creates (`list` shows it; the reaper's logs name it)
+        self.owner = owner or os.environ.get("SHOAL_OWNER") or f"{getpass.getuser()}@{socket.gethostname()}"
         self.paths = Paths.from_env() if home is None else Paths(Path(home), Paths.from_env().images)
         self.address = address or str(self.paths.socket)
         self.autostart = autostart and address is None and ray_address is None
@@ -162,14 +171,21 @@ class AsyncClient:
     # ---------------------------------------------------------------- sandboxes
 
     async def create(self, kind: str = "container", image: str = "debian", **options: Any) -> AsyncSandbox:
-        """Create a sandbox (from a warm pool when one matches). Options: see `SandboxSpec`."""
+        """Create a sandbox (from a warm pool when one matches). Options: see `SandboxSpec`.
+
+        With `trajectory="run7/ep42"`, a live sandbox already running that trajectory is returned instead
+        (a restarted trainer gets its sandbox back); the handle counts steps from 0, so re-issued steps
+        return their logged results without running again (fast-forward).
+        """
+        if self.owner and "owner" not in options:
+            options["owner"] = self.owner
         spec = _spec(kind, image, options)
 
         def release(info: Any) -> None:  # the caller was cancelled after the node made it
             asyncio.ensure_future(self._kill_quietly(info["id"]))
 
         info = await self.call("create", {"spec": spec}, on_orphan=release)
-        return AsyncSandbox(self, protocol.convert(info, SandboxInfo))
+        return AsyncSandbox(self, protocol.convert(info, SandboxInfo), seq=0)
 
     async def create_many(
         self, count: int, kind: str = "container", image: str = "debian", *, concurrency: int = 64, **options: Any
@@ -188,8 +204,45 @@ class AsyncClient:
         return list(results)  # type: ignore[arg-type]
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
+        """A handle whose steps are appended to the sandbox's log (no fast-forward: see `attach`)."""
         info = await self.call("get", {"sandbox_id": sandbox_id})
         return AsyncSandbox(self, protocol.convert(info, SandboxInfo))
+
+    async def attach(self, target: str, *, seq: int | None = 0) -> AsyncSandbox:
+        """A handle on a live sandbox (by ID or trajectory name) that re-issues steps from `seq`.
+
+        Steps already in the sandbox's trajectory log return their logged results without running; the
+        first step past the log runs for real; a step that differs from the logged one raises
+        DivergenceError. `seq=None` appends every step at the end of the log instead.
+        """
+        info = await self.call("attach", {"target": target})
+        return AsyncSandbox(self, protocol.convert(info, SandboxInfo), seq=seq)
+
+    async def pause_all(self, labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        """Pause every running sandbox (with these labels): e.g. a preempted trainer's fleet."""
+        return await self.call("pause_all", {"labels": labels})
+
+    async def resume_all(self, labels: dict[str, str] | None = None) -> int:
+        """Resume every paused sandbox (with these labels); returns how many."""
+        return await self.call("resume_all", {"labels": labels})
+
+    async def log(self, target: str, *, since: int = 0, page: int = 256) -> dict[str, Any]:
+        """The trajectory log of a sandbox (ID or trajectory name, live or ended): {"sandbox", "steps"}.
+        Fetched `page` steps per request, so a long log never makes one huge frame."""
+        first = await self.call("log_steps", {"target": target, "since": since, "limit": page})
+        steps = first["steps"]
+        while steps:
+            more = await self.call("log_steps", {"target": target, "since": steps[-1]["seq"] + 1, "limit": page})
+            if not more["steps"]:
+                break
+            steps += more["steps"]
+        return {"sandbox": first["sandbox"], "steps": steps}
+
+    async def replay(self, target: str, *, image: str | None = None, keep: bool = False) -> ReplayReport:
+        """Re-run a recorded trajectory in a fresh sandbox (of `image`, default the recorded one) and
+        report each step whose outcome differs. `keep=True` leaves the new sandbox running."""
+        raw = await self.call("replay", {"target": target, "image": image, "keep": keep})
+        return ReplayReport(**raw)
 
     async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         return [protocol.convert(i, SandboxInfo) for i in await self.call("list", {"labels": labels})]
@@ -314,6 +367,22 @@ def _endpoints(address: str) -> list[tuple[str, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class ReplayReport:
+    """What `replay` found: `differences` holds one entry per differing field of a step."""
+
+    source: str
+    sandbox_id: str
+    image: str
+    steps: int
+    differences: list[dict[str, Any]]
+    skipped: list[dict[str, Any]] = field(default_factory=list)  # steps not re-run (snapshots)
+
+    @property
+    def identical(self) -> bool:
+        return not self.differences
+
+
 class ExecStream:
     """`async for chunk in sandbox.exec_stream(...)` yields OutputChunk(stream, data); `.result` after."""
 
@@ -341,13 +410,64 @@ class ExecStream:
 
 
 class AsyncSandbox:
-    """A handle on one sandbox. Cheap: it holds the ID and a client; every call goes to the node."""
+    """A handle on one sandbox. Cheap: it holds the ID and a client; every call goes to the node.
 
-    def __init__(self, client: AsyncClient, info: SandboxInfo) -> None:
+    A handle that counts steps (`seq` not None: from `create` or `attach`) fast-forwards itself: re-issued
+    steps already in the sandbox's trajectory log are answered from pages of the log fetched from the node
+    (`FF_PAGE` steps per round trip), checked against the logged step exactly as the node would.
+    """
+
+    def __init__(self, client: AsyncClient, info: SandboxInfo, *, seq: int | None = None) -> None:
         self.client = client
         self.info = info
         self.id = info.id
         self.files = AsyncFiles(self)
+        self.seq = seq  # the next step's sequence number in the trajectory log; None: append at the end
+        self.fast_forwarded = 0  # steps this handle answered from the log
+        self._log_end = info.steps if seq is not None else 0  # steps below this may be in the log
+        self._ahead: dict[int, dict[str, Any]] = {}  # fetched log entries not yet re-issued
+        self._fetching = asyncio.Lock()
+
+    def _next_seq(self) -> dict[str, int]:
+        """Claim the next sequence number (when this handle counts steps) for a request's arguments."""
+        if self.seq is None:
+            return {}
+        self.seq += 1
+        return {"seq": self.seq - 1}
+
+    async def _step(self, op: str, args: dict[str, Any], **call_options: Any) -> Any:
+        """Issue one step: from the fetched log if it is there (fast-forward), else on the node."""
+        if "seq" not in args:
+            args.update(self._next_seq())
+        seq = args.get("seq")
+        if seq is not None and seq < self._log_end:
+            if seq not in self._ahead:
+                async with self._fetching:  # FIFO: steps reach the node in the order they were issued
+                    if seq not in self._ahead:
+                        await self._fetch(seq)
+            logged = self._ahead.pop(seq, None)
+            if logged is not None and logged["finished_at"] is not None:  # unfinished: the node decides
+                return self._fast_forward(op, args, logged)
+        try:
+            return await self.client.call(op, {"req": args} if op == "exec" else args, **call_options)
+        except NodeError:
+            if seq is not None and self.seq == seq + 1:  # the node went away: retrying reuses the number,
+                self.seq = seq  # so a step that did start raises (outcome unknown) instead of running again
+            raise
+
+    async def _fetch(self, since: int) -> None:
+        page = (await self.client.call("log_steps", {"target": self.id, "since": since, "limit": FF_PAGE}))["steps"]
+        self._ahead.update((step["seq"], step) for step in page)
+        if len(page) < FF_PAGE:  # the log ends here (or the page was cut by size): later steps go to the node
+            self._log_end = min(self._log_end, since + len(page))
+
+    def _fast_forward(self, op: str, args: dict[str, Any], logged: dict[str, Any]) -> Any:
+        if logged["op"] != op or logged["key"] != step_key(op, args):
+            raise DivergenceError(divergence_message(self.id, logged["seq"], logged["summary"], describe(op, args)))
+        self.fast_forwarded += 1
+        if logged["error_type"] is not None:
+            raise wire_error(logged["error_type"], logged["error"])
+        return logged["result"]
 
     def __repr__(self) -> str:
         return f"<AsyncSandbox {self.id} {self.info.kind}:{self.info.image}>"
@@ -408,19 +528,20 @@ class AsyncSandbox:
                 if callback is not None:
                     callback(event["data"])
 
-        return ExecResult.from_wire(await self.client.call("exec", {"req": args}, on_event=on_event))
+        return ExecResult.from_wire(await self._step("exec", args, on_event=on_event))
 
     def exec_stream(
         self, cmd: str | Sequence[str], *, timeout: float | None = DEFAULT_TIMEOUT, **options: Any
     ) -> ExecStream:
         """Run a command and stream its output as it is printed."""
         args = self._exec_args(cmd, dict(options, timeout=timeout))
+        args.update(self._next_seq())
         args["stream"] = True
         return ExecStream(self, args)
 
     async def shell(self) -> AsyncShell:
         """A persistent shell: working directory and environment carry over between `run` calls."""
-        return AsyncShell(self, await self.client.call("shell_open", {"sandbox_id": self.id}))
+        return AsyncShell(self, await self._step("shell_open", {"sandbox_id": self.id}))
 
     async def call(self, fn: Callable[..., Any] | str, *args: Any, **options: Any) -> Any:
         """(function sandboxes) Run `fn` in a fresh worker with this sandbox's image, limits, env and files."""
@@ -438,7 +559,18 @@ class AsyncSandbox:
 
     async def snapshot(self, name: str) -> dict[str, Any]:
         """Commit this sandbox's writes (deletions too) as image `name`: its image plus one new layer."""
-        return await self.client.call("sandbox_snapshot", {"sandbox_id": self.id, "name": name})
+        return await self._step("sandbox_snapshot", {"sandbox_id": self.id, "name": name})
+
+    async def pause(self) -> dict[str, Any]:
+        """Freeze it and reclaim its memory; files, processes and shells survive; any request resumes it."""
+        return await self.client.call("pause", {"sandbox_id": self.id})
+
+    async def resume(self) -> None:
+        self.info = protocol.convert(await self.client.call("resume", {"sandbox_id": self.id}), SandboxInfo)
+
+    async def log(self, *, since: int = 0) -> list[dict[str, Any]]:
+        """The steps of this sandbox's trajectory log, in order."""
+        return (await self.client.log(self.id, since=since))["steps"]
 
     async def set_network(self, network: str | list[str] | dict[str, bool]) -> dict[str, Any]:
         """Change the network policy now: "none", a preset ("pypi"), rules ("tcp://host:443",
@@ -463,9 +595,8 @@ class AsyncShell:
         self, cmd: str, *, timeout: float | None = DEFAULT_TIMEOUT, idle_timeout: float | None = None
     ) -> ExecResult:
         """Run `cmd` in this shell. A timeout kills the shell (later runs raise); open a new one."""
-        raw = await self.sandbox.client.call(
-            "shell_run", {"shell_id": self.id, "cmd": cmd, "timeout": timeout, "idle_timeout": idle_timeout}
-        )
+        args = {"shell_id": self.id, "cmd": cmd, "timeout": timeout, "idle_timeout": idle_timeout}
+        raw = await self.sandbox._step("shell_run", args)
         return ExecResult.from_wire(raw)
 
     async def close(self) -> None:
@@ -485,7 +616,7 @@ class AsyncFiles:
         self._sandbox = sandbox
 
     async def _call(self, op: str, **args: Any) -> Any:
-        return await self._sandbox.client.call(op, {"sandbox_id": self._sandbox.id, **args})
+        return await self._sandbox._step(op, {"sandbox_id": self._sandbox.id, **args})
 
     async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, append: bool = False) -> int:
         payload = data.encode() if isinstance(data, str) else data
@@ -523,7 +654,6 @@ class AsyncFiles:
         if not root.is_dir():
             raise FileNotFoundError(f"no local file or directory {root}")
         await self.mkdir(remote_dir)
-        gate = asyncio.Semaphore(concurrency)
         files = []
         for path in sorted(root.rglob("*")):
             target = f"{remote_dir.rstrip('/')}/{path.relative_to(root).as_posix()}"
@@ -532,12 +662,11 @@ class AsyncFiles:
             elif path.is_file() and not path.is_symlink():
                 files.append((path, target))
 
-        async def put(path: Path, target: str) -> None:
-            async with gate:
-                data = await asyncio.to_thread(path.read_bytes)
-                await self.write(target, data, mode=stat_module.S_IMODE(path.stat().st_mode))
-
-        await asyncio.gather(*(put(p, t) for p, t in files))
+        for start in range(0, len(files), concurrency):  # read a batch, then write it in a fixed order, so
+            batch = files[start : start + concurrency]  # the steps are logged in the same order on a re-run
+            datas = await asyncio.gather(*(asyncio.to_thread(path.read_bytes) for path, _ in batch))
+            modes = [stat_module.S_IMODE(path.stat().st_mode) for path, _ in batch]
+            await asyncio.gather(*(self.write(t, d, mode=m) for (_, t), d, m in zip(batch, datas, modes, strict=True)))
         return len(files)
 
     async def download(self, remote_dir: str, local_dir: str | os.PathLike[str]) -> int:

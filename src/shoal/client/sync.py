@@ -9,7 +9,15 @@ import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from shoal.client.aio import DEFAULT_TIMEOUT, AsyncClient, AsyncFiles, AsyncSandbox, AsyncShell, ExecStream
+from shoal.client.aio import (
+    DEFAULT_TIMEOUT,
+    AsyncClient,
+    AsyncFiles,
+    AsyncSandbox,
+    AsyncShell,
+    ExecStream,
+    ReplayReport,
+)
 from shoal.client.functions import RunCodeResult
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.images.builder import ImageBuilder
@@ -53,10 +61,11 @@ class Client:
         token: str | None = None,
         ray_address: str | None = None,
         project: str | None = None,
+        owner: str | None = None,
     ) -> None:
         self._loop = _Loop()
         self._async = AsyncClient(
-            address, home=home, autostart=autostart, token=token, ray_address=ray_address, project=project
+            address, home=home, autostart=autostart, token=token, ray_address=ray_address, project=project, owner=owner
         )
         try:
             self._loop.run(self._async.connect())
@@ -101,6 +110,21 @@ class Client:
 
     def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         return self._run(self._async.list(labels))
+
+    def attach(self, target: str, *, seq: int | None = 0) -> Sandbox:
+        return Sandbox(self, self._run(self._async.attach(target, seq=seq)))
+
+    def pause_all(self, labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        return self._run(self._async.pause_all(labels))
+
+    def resume_all(self, labels: dict[str, str] | None = None) -> int:
+        return self._run(self._async.resume_all(labels))
+
+    def log(self, target: str, *, since: int = 0) -> dict[str, Any]:
+        return self._run(self._async.log(target, since=since))
+
+    def replay(self, target: str, *, image: str | None = None, keep: bool = False) -> ReplayReport:
+        return self._run(self._async.replay(target, image=image, keep=keep))
 
     def kill(self, sandbox_id: str) -> None:
         self._run(self._async.kill(sandbox_id))
@@ -164,6 +188,19 @@ class Sandbox:
     def info(self) -> SandboxInfo:
         return self._inner.info
 
+    @property
+    def seq(self) -> int | None:
+        return self._inner.seq
+
+    @seq.setter
+    def seq(self, value: int | None) -> None:
+        self._inner.seq = value
+
+    @property
+    def fast_forwarded(self) -> int:
+        """Steps this handle answered from the trajectory log instead of running them."""
+        return self._inner.fast_forwarded
+
     def __repr__(self) -> str:
         return f"<Sandbox {self.id} {self.info.kind}:{self.info.image}>"
 
@@ -199,6 +236,15 @@ class Sandbox:
     def set_network(self, network: str | list[str] | dict[str, bool]) -> dict[str, Any]:
         """See `AsyncSandbox.set_network`."""
         return self._client._run(self._inner.set_network(network))
+
+    def pause(self) -> dict[str, Any]:
+        return self._client._run(self._inner.pause())
+
+    def resume(self) -> None:
+        self._client._run(self._inner.resume())
+
+    def log(self, *, since: int = 0) -> list[dict[str, Any]]:
+        return self._client._run(self._inner.log(since=since))
 
     def close(self) -> None:
         self._client._run(self._inner.close())

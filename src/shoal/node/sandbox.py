@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -34,6 +35,10 @@ class Sandbox:
     gid: int = 0
     lost_reason: str = ""
     resolv_written: bool = False
+    next_seq: int = 0  # the next step's place in the trajectory log
+    inflight: dict[int, asyncio.Future] = field(default_factory=dict)  # steps running now, by seq
+    last_active: float = field(default_factory=time.time)  # for idle_timeout_s
+    busy: int = 0  # requests in progress (an idle timer does not run while a command does)
 
     @property
     def env(self) -> dict[str, str]:
@@ -52,6 +57,7 @@ class Sandbox:
         self.spec = spec
         self.created_at = now
         self.expires_at = now + spec.ttl_s if spec.ttl_s else None
+        self.last_active = now
 
     def matches(self, labels: dict[str, str] | None) -> bool:
         return not labels or all(self.spec.labels.get(k) == v for k, v in labels.items())
@@ -67,4 +73,9 @@ class Sandbox:
             expires_at=self.expires_at,
             owner=self.spec.owner,
             workdir=self.workdir,
+            trajectory=self.spec.trajectory,
+            steps=self.next_seq,
+            last_active_at=self.last_active,
+            idle_timeout_s=self.spec.idle_timeout_s,
+            on_timeout=self.spec.on_timeout,
         )

@@ -19,6 +19,7 @@ import msgspec
 from shoal import protocol
 from shoal.errors import InvalidRequestError, ShoalError
 from shoal.node.service import NodeService
+from shoal.node.trajectory import detached_tasks
 from shoal.protocol import ErrorInfo, Request, Response
 
 log = logging.getLogger("shoal.server")
@@ -32,6 +33,7 @@ OPS = [
     "sandbox_snapshot",
     "set_network",
     "fn_call", "fn_run_code",
+    "attach", "pause", "resume", "pause_all", "resume_all", "log_steps", "replay",
 ]  # fmt: skip
 
 
@@ -97,6 +99,7 @@ class NodeServer:
             self.connections -= 1
             pending = list(tasks.values())
             for task in pending:
+                detached_tasks.add(task)  # its client is gone: a logged step it runs finishes and is logged
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             writer.close()

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import errno
+import functools
 import logging
 import os
 import secrets
@@ -14,6 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from shoal import cgroups
 from shoal.config import NodeSettings, Paths
@@ -28,11 +31,13 @@ from shoal.errors import (
 from shoal.guest import AgentClient, AgentError
 from shoal.images import Image, ImageStore
 from shoal.images.builtin import register_builtins
-from shoal.node import network
+from shoal.node import network, recovery
 from shoal.node.images import NodeImages
+from shoal.node.lifecycle import ON_TIMEOUT, Lifecycle
 from shoal.node.pools import WarmPools
 from shoal.node.sandbox import Sandbox, State
 from shoal.node.shell import ShellSession
+from shoal.node.trajectory import Recorder, TrajectoryLog
 from shoal.protocol import KINDS, ExecRequest, ExecResult, FileEntry, OutputChunk, SandboxInfo, SandboxSpec
 from shoal.substrates import Substrate
 from shoal.substrates.container import ContainerSubstrate
@@ -66,17 +71,22 @@ class NodeService:
         self._destroying: set[asyncio.Future] = set()
         self._reaper: asyncio.Task | None = None
         self.functions = FunctionService(self)
+        self.trajectory = TrajectoryLog(paths.home / "trajectory.db")
+        self.recorder = Recorder(self.trajectory)
+        self.lifecycle = Lifecycle(self)
+        self.adopted: list[str] = []
+        self.lost: dict[str, str] = {}  # sandboxes found at start that could not be adopted, and why
+        self._naming: dict[str, asyncio.Future[SandboxInfo]] = {}  # trajectory names being created
 
     # ---------------------------------------------------------------- lifecycle of the node
 
     async def start(self) -> None:
         _shield_node_from_oom_killer()
         self.paths.sandboxes.mkdir(parents=True, exist_ok=True)
-        for sandbox_id in await self.reconcile():  # a crashed node's sandboxes: requests for them say so
-            self._remember_closed(sandbox_id, NODE_RESTARTED)
-        await asyncio.to_thread(self.node_images.reconcile)
-        await self.network.cleanup_all()  # sandboxes of an earlier node are gone: so is their plumbing
-        self._reaper = asyncio.create_task(self._reap_forever())
+        await asyncio.to_thread(self.node_images.reconcile)  # before adoption re-acquires layers
+        await self.reconcile()  # re-adopts what still runs; the rest is remembered as lost
+        await self.network.cleanup_all()  # plumbing of an earlier node's sandboxes (adoption skips networked ones)
+        self._reaper = asyncio.create_task(self.lifecycle.reap_forever())
         await self.functions.start()
         for shape, size in self.settings.pool_sizes.items():  # SHOAL_POOLS="busybox=4,container:debian=2"
             kind, _, image = shape.partition(":")  # image names may hold colons (HOST:PORT/REPO:TAG)
@@ -93,6 +103,7 @@ class NodeService:
         await self._settle()
         await asyncio.gather(*(self.kill(i, reason="node shut down") for i in list(self.sandboxes)))
         await self._settle()
+        self.trajectory.close()
         await asyncio.to_thread(self.node_images.mounts.release_all)
         await self.network.cleanup_all()
         for parent in cgroups.sandbox_dirs(f"/{self.settings.cgroup_parent}"):
@@ -107,13 +118,26 @@ class NodeService:
             await asyncio.sleep(0.05)
 
     async def reconcile(self) -> list[str]:
-        """Remove what sandboxes of an earlier node process left: mounts, cgroups, runtime state, files."""
+        """Re-adopt the sandboxes an earlier node process left running (see recovery.py); remove the rest
+        (mounts, cgroups, runtime state, files) and remember those as lost."""
         removed = []
         container = self.substrates["container"]
         for directory in sorted(self.paths.sandboxes.iterdir()) if self.paths.sandboxes.exists() else []:
             if directory.is_dir() and directory.name not in self.sandboxes:
+                try:
+                    sandbox = await recovery.adopt(directory, self.node_images)
+                except recovery.NotAdoptable as exc:
+                    reason = f"lost: {NODE_RESTARTED}, and could not re-adopt it: {exc}"
+                else:
+                    sandbox.next_seq = self.trajectory.next_seq(sandbox.id)
+                    self.sandboxes[sandbox.id] = sandbox
+                    self.adopted.append(sandbox.id)
+                    continue
                 await container.destroy_orphan(directory)
                 removed.append(directory.name)
+                self.lost[directory.name] = reason
+                self._remember_closed(directory.name, reason)
+                await self.trajectory.close_sandbox(directory.name, "lost", reason)
         assert isinstance(container, ContainerSubstrate)
         for name in ("crun", "runc", "runsc"):
             state_root = self.paths.runtime_root / name
@@ -125,8 +149,10 @@ class NodeService:
             for child in directory.iterdir():
                 if child.is_dir() and child.name not in self.sandboxes:
                     await asyncio.to_thread(cgroups.remove, f"/{self.settings.cgroup_parent}/{child.name}")
+        if self.adopted:
+            log.info("re-adopted %d sandboxes of an earlier node: %s", len(self.adopted), self.adopted)
         if removed:
-            log.info("reconciled %d sandboxes left by an earlier node: %s", len(removed), removed)
+            log.info("removed %d sandboxes of an earlier node that could not be adopted: %s", len(removed), removed)
         return removed
 
     # ---------------------------------------------------------------- sandboxes
@@ -141,6 +167,26 @@ class NodeService:
         self._validate(spec)
         if spec.kind == "function":
             return await self.functions.create(spec)
+        if spec.trajectory:
+            existing = self._find_trajectory(spec.trajectory)
+            if existing is not None:  # a restarted trainer re-creating its sandbox: attach to it
+                return existing.info()
+            if spec.trajectory in self._naming:  # the same trajectory is being created: share it
+                return await asyncio.shield(self._naming[spec.trajectory])
+            self._naming[spec.trajectory] = made = asyncio.get_running_loop().create_future()
+            try:
+                info = await self._create(spec)
+            except BaseException as exc:
+                made.set_exception(exc)
+                made.exception()  # retrieved: no "never retrieved" warning when nobody shared it
+                raise
+            finally:
+                self._naming.pop(spec.trajectory, None)
+            made.set_result(info)
+            return info
+        return await self._create(spec)
+
+    async def _create(self, spec: SandboxSpec) -> SandboxInfo:
         now = time.time()
         sandbox = self.pools.take(spec) if spec.pool else None
         if sandbox is None:
@@ -152,10 +198,43 @@ class NodeService:
             sandbox = await self._make_checked(spec)
         try:
             await self._bind(sandbox, spec, now)
+            self.persist(sandbox)
+            await self.trajectory.open_sandbox(sandbox.id, spec.trajectory, sandbox.image.name, _stored_spec(spec))
         except BaseException:
             await asyncio.shield(self._destroy(sandbox))
+            await asyncio.shield(
+                self.trajectory.close_sandbox(sandbox.id, "closed", "its create failed or was cancelled")
+            )
             raise
-        self.sandboxes[sandbox.id] = sandbox
+        self.sandboxes[sandbox.id] = sandbox  # no await since the log row: a cancel cannot orphan it
+        return sandbox.info()
+
+    def persist(self, sandbox: Sandbox) -> None:
+        """Write what a restarted node needs to re-adopt this sandbox (recovery.py)."""
+        recovery.write_record(sandbox)
+
+    def _find_trajectory(self, name: str) -> Sandbox | None:
+        """The live sandbox running trajectory `name`; a precise error if it ended; None if never seen."""
+        for sandbox in self.sandboxes.values():
+            if sandbox.spec.trajectory == name:
+                return sandbox
+        row = self.trajectory.by_trajectory(name)
+        if row is None:
+            return None
+        error = SandboxLostError if row["status"] == "lost" else SandboxClosedError
+        raise error(
+            f"trajectory {name!r} ran in sandbox {row['id']}, which is {row['status']} ({row['reason']}); "
+            f"replay its log in a fresh sandbox with client.replay({row['id']!r}), or use a new trajectory name"
+        )
+
+    async def attach(self, target: str) -> SandboxInfo:
+        """A sandbox by ID or by trajectory name (the client then re-issues steps from seq 0)."""
+        if target in self.sandboxes:
+            return self._get(target).info()
+        sandbox = self._find_trajectory(target)
+        if sandbox is None:
+            self._get(target)  # raises the precise error
+        assert sandbox is not None
         return sandbox.info()
 
     def _validate(self, spec: SandboxSpec) -> None:
@@ -178,6 +257,10 @@ class NodeService:
         network.normalise(spec.network)
         if spec.disk_mb is not None and spec.disk_mb < MIN_DISK_MB:
             raise InvalidRequestError(f"disk_mb={spec.disk_mb} is below the minimum of {MIN_DISK_MB} MB")
+        if spec.idle_timeout_s is not None and spec.idle_timeout_s <= 0:
+            raise InvalidRequestError(f"idle_timeout_s={spec.idle_timeout_s} must be positive (or None)")
+        if spec.on_timeout not in ON_TIMEOUT:
+            raise InvalidRequestError(f"on_timeout={spec.on_timeout!r}: choose one of {', '.join(ON_TIMEOUT)}")
         for path in [spec.workdir or "/", *spec.files]:
             if not path.startswith("/"):
                 raise InvalidRequestError(f"path {path!r} must be absolute")
@@ -304,10 +387,12 @@ class NodeService:
     def _get(self, sandbox_id: str) -> Sandbox:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None:
-            if sandbox_id in self.closed:
-                reason = self.closed[sandbox_id]
-                if reason == NODE_RESTARTED:
-                    raise SandboxLostError(f"sandbox {sandbox_id} is lost: {reason}")
+            reason = self.closed.get(sandbox_id)
+            if reason is None and (row := self.trajectory.sandbox(sandbox_id)) is not None and row["reason"]:
+                reason = row["reason"]  # closed before this node process started
+            if reason is not None and (reason == NODE_RESTARTED or reason.startswith("lost: " + NODE_RESTARTED)):
+                raise SandboxLostError(f"sandbox {sandbox_id} is {reason}")
+            if reason is not None:
                 raise SandboxClosedError(f"sandbox {sandbox_id} is closed ({reason})")
             raise SandboxNotFoundError(f"no sandbox {sandbox_id} on node {self.settings.node_id}")
         if sandbox.state is State.LOST:
@@ -335,11 +420,19 @@ class NodeService:
                 return
             raise SandboxNotFoundError(f"no sandbox {sandbox_id} on node {self.settings.node_id}")
         self._remember_closed(sandbox_id, reason)
+        was_paused = sandbox.state is State.PAUSED
         sandbox.state = State.CLOSED
+        self.lifecycle.forget(sandbox_id)
+        if was_paused:  # a frozen cgroup cannot be killed on cgroup v1: thaw it first
+            try:
+                await self.substrates[sandbox.spec.kind].resume(sandbox.instance)
+            except Exception as exc:
+                log.warning("could not thaw %s before closing it: %s", sandbox_id, exc)
         for shell in [s for s in self.shells.values() if s.sandbox_id == sandbox_id]:
             self.shells.pop(shell.id, None)
             await shell.close()
         await asyncio.shield(self._destroy(sandbox))
+        await self.trajectory.close_sandbox(sandbox_id, "closed", reason)
 
     def _remember_closed(self, sandbox_id: str, reason: str) -> None:
         self.closed[sandbox_id] = reason
@@ -353,24 +446,18 @@ class NodeService:
         return len(doomed)
 
     async def keepalive(self, sandbox_id: str, ttl_s: float | None = None) -> SandboxInfo:
+        """Reset the idle timer and push the TTL deadline out by `ttl_s` (default: the sandbox's ttl_s)."""
         if self.functions.owns(sandbox_id):
             return self.functions.keepalive(sandbox_id, ttl_s)
         sandbox = self._get(sandbox_id)
         ttl = ttl_s or sandbox.spec.ttl_s
         if ttl:
             sandbox.expires_at = time.time() + ttl
+        sandbox.last_active = time.time()
+        self.persist(sandbox)
         return sandbox.info()
 
-    async def _reap_forever(self) -> None:
-        while True:
-            await asyncio.sleep(0.25)
-            now = time.time()
-            expired = [s.id for s in self.sandboxes.values() if s.expires_at and s.expires_at <= now]
-            for sandbox_id in expired:
-                try:
-                    await self.kill(sandbox_id, reason="its ttl expired")
-                except Exception as exc:  # keep reaping the others
-                    log.warning("reaper: could not close %s: %s", sandbox_id, exc)
+    # ---------------------------------------------------------------- pause / resume
 
     async def _agent_alive(self, sandbox: Sandbox) -> bool:
         """Does the sandbox's agent (PID 1) still live? A dropped connection alone does not say.
@@ -394,24 +481,74 @@ class NodeService:
             return False
         return True
 
-    async def _lost(self, sandbox: Sandbox, exc: BaseException) -> SandboxLostError:
+    async def pause(self, sandbox_id: str) -> dict[str, Any]:
+        """Freeze the sandbox and reclaim its memory; any later request resumes it."""
+        return await asyncio.shield(self.lifecycle.pause(self._get(sandbox_id)))  # never left half-frozen
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        sandbox = self._get(sandbox_id)
+        await asyncio.shield(self.lifecycle.resume(sandbox))
+        return sandbox.info()
+
+    async def pause_all(self, labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        chosen = [s for s in self.sandboxes.values() if s.matches(labels) and s.state is State.READY]
+        return list(await asyncio.shield(asyncio.gather(*(self.lifecycle.pause(s) for s in chosen))))
+
+    async def resume_all(self, labels: dict[str, str] | None = None) -> int:
+        chosen = [s for s in self.sandboxes.values() if s.matches(labels) and s.state is State.PAUSED]
+        await asyncio.shield(asyncio.gather(*(self.lifecycle.resume(s) for s in chosen)))
+        return len(chosen)
+
+    async def _lost(self, sandbox: Sandbox, exc: BaseException) -> SandboxLostError | SandboxClosedError:
         """The agent stopped answering: mark the sandbox lost, free its resources, say why."""
+        if sandbox.state is State.CLOSED:  # it was closed under a running request: that is why
+            return SandboxClosedError(f"sandbox {sandbox.id} was closed ({self.closed.get(sandbox.id, 'closed')})")
         reason = f"its agent stopped answering ({exc.__class__.__name__}: {exc})"
         if cgroups.oom_kills(sandbox.instance.cgroup_path):
             reason += "; the kernel's OOM killer fired in it: raise memory_mb"
         sandbox.state = State.LOST
         sandbox.lost_reason = reason
+        self.lifecycle.forget(sandbox.id)
         self.sandboxes.pop(sandbox.id, None)
         self._remember_closed(sandbox.id, f"lost: {reason}")
         await asyncio.shield(self._destroy(sandbox))
+        await self.trajectory.close_sandbox(sandbox.id, "lost", f"lost: {reason}")
         return SandboxLostError(f"sandbox {sandbox.id} is lost: {reason}")
 
     # ---------------------------------------------------------------- exec
+
+    async def _step(self, sandbox: Sandbox, op: str, args: dict[str, Any], seq: int | None, run: Any) -> Any:
+        """Run one data-plane request as a step of the sandbox's trajectory (trajectory.Recorder)."""
+
+        async def awake_then_run() -> Any:
+            await self.lifecycle.awake(sandbox)
+            return await run()
+
+        sandbox.busy += 1
+        try:
+            if seq is not None and seq in sandbox.inflight:  # the logged original may be frozen
+                await self.lifecycle.awake(sandbox)
+            return await self.recorder.step(sandbox, op, args, seq, awake_then_run)
+        finally:
+            sandbox.busy -= 1
+            sandbox.last_active = time.time()
 
     async def exec(self, req: ExecRequest, emit: Emit | None = None) -> ExecResult:
         if self.functions.owns(req.sandbox_id):
             return await self.functions.exec(req, emit)
         sandbox = self._get(req.sandbox_id)
+        args = {k: v for k, v in msgspec.structs.asdict(req).items() if k not in ("sandbox_id", "seq", "stream")}
+
+        async def quiet_emit(event: Any) -> None:  # a step outlives a client that went away
+            try:
+                await emit(event)  # type: ignore[misc]
+            except Exception:  # noqa: S110
+                pass
+
+        run = functools.partial(self._exec, sandbox, req, quiet_emit if emit is not None else None)
+        return await self._step(sandbox, "exec", args, req.seq, run)
+
+    async def _exec(self, sandbox: Sandbox, req: ExecRequest, emit: Emit | None) -> ExecResult:
         argv = list(req.cmd) if isinstance(req.cmd, list) else [*sandbox.shell, "-c", req.cmd]
         if not argv:
             raise InvalidRequestError("empty command")
@@ -515,11 +652,17 @@ class NodeService:
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
             raise await self._lost(sandbox, exc) from exc
 
-    async def file_write(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, append: bool = False) -> int:
+    async def _file_step(self, op: str, sandbox_id: str, seq: int | None, args: dict[str, Any], run: Any) -> Any:
+        return await self._step(self._get(sandbox_id), op, args, seq, run)
+
+    async def file_write(
+        self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, append: bool = False, seq: int | None = None
+    ) -> int:
         if self.functions.owns(sandbox_id):
             return self.functions.file_write(sandbox_id, path, data, mode, append)
         sandbox = self._get(sandbox_id)
-        return await self._agent_call(
+        run = functools.partial(
+            self._agent_call,
             sandbox_id,
             "write_file",
             _abs(path, sandbox),
@@ -529,41 +672,64 @@ class NodeService:
             gid=sandbox.gid,
             append=append,
         )
+        args = {"path": path, "data": data, "mode": mode, "append": append}
+        return await self._file_step("file_write", sandbox_id, seq, args, run)
 
-    async def file_read(self, sandbox_id: str, path: str, max_bytes: int = 256 << 20) -> bytes:
+    async def file_read(self, sandbox_id: str, path: str, max_bytes: int = 256 << 20, seq: int | None = None) -> bytes:
         if self.functions.owns(sandbox_id):
             return self.functions.file_read(sandbox_id, path, max_bytes)
-        return await self._agent_call(sandbox_id, "read_file", _abs(path, self._get(sandbox_id)), max_bytes)
+        run = functools.partial(self._agent_call, sandbox_id, "read_file", _abs(path, self._get(sandbox_id)), max_bytes)
+        return await self._file_step("file_read", sandbox_id, seq, {"path": path, "max_bytes": max_bytes}, run)
 
-    async def file_list(self, sandbox_id: str, path: str, recursive: bool = False) -> list[FileEntry]:
+    async def file_list(
+        self, sandbox_id: str, path: str, recursive: bool = False, seq: int | None = None
+    ) -> list[FileEntry]:
         if self.functions.owns(sandbox_id):
             return self.functions.file_list(sandbox_id, path, recursive)
-        entries = await self._agent_call(sandbox_id, "list_dir", _abs(path, self._get(sandbox_id)), recursive)
-        return [_entry(e) for e in entries]
 
-    async def file_stat(self, sandbox_id: str, path: str) -> FileEntry | None:
+        async def run() -> list[FileEntry]:
+            entries = await self._agent_call(sandbox_id, "list_dir", _abs(path, self._get(sandbox_id)), recursive)
+            return [_entry(e) for e in entries]
+
+        return await self._file_step("file_list", sandbox_id, seq, {"path": path, "recursive": recursive}, run)
+
+    async def file_stat(self, sandbox_id: str, path: str, seq: int | None = None) -> FileEntry | None:
         if self.functions.owns(sandbox_id):
             return self.functions.file_stat(sandbox_id, path)
-        entry = await self._agent_call(sandbox_id, "stat", _abs(path, self._get(sandbox_id)))
-        return None if entry is None else _entry(entry)
 
-    async def file_mkdir(self, sandbox_id: str, path: str) -> None:
+        async def run() -> FileEntry | None:
+            entry = await self._agent_call(sandbox_id, "stat", _abs(path, self._get(sandbox_id)))
+            return None if entry is None else _entry(entry)
+
+        return await self._file_step("file_stat", sandbox_id, seq, {"path": path}, run)
+
+    async def file_mkdir(self, sandbox_id: str, path: str, seq: int | None = None) -> None:
         if self.functions.owns(sandbox_id):
             return self.functions.file_mkdir(sandbox_id, path)
         sandbox = self._get(sandbox_id)
-        await self._agent_call(sandbox_id, "mkdir", _abs(path, sandbox), uid=sandbox.uid, gid=sandbox.gid, parents=True)
+        run = functools.partial(
+            self._agent_call, sandbox_id, "mkdir", _abs(path, sandbox), uid=sandbox.uid, gid=sandbox.gid, parents=True
+        )
+        await self._file_step("file_mkdir", sandbox_id, seq, {"path": path}, run)
 
-    async def file_remove(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+    async def file_remove(self, sandbox_id: str, path: str, recursive: bool = False, seq: int | None = None) -> None:
         if self.functions.owns(sandbox_id):
             return self.functions.file_remove(sandbox_id, path, recursive)
-        await self._agent_call(sandbox_id, "remove", _abs(path, self._get(sandbox_id)), recursive=recursive)
+        run = functools.partial(
+            self._agent_call, sandbox_id, "remove", _abs(path, self._get(sandbox_id)), recursive=recursive
+        )
+        await self._file_step("file_remove", sandbox_id, seq, {"path": path, "recursive": recursive}, run)
 
     # ---------------------------------------------------------------- shells
 
-    async def shell_open(self, sandbox_id: str) -> str:
+    async def shell_open(self, sandbox_id: str, seq: int | None = None) -> str:
         if self.functions.owns(sandbox_id):
             raise InvalidRequestError("function sandboxes keep no state between calls, so no shells: use a container")
         sandbox = self._get(sandbox_id)
+        return await self._step(sandbox, "shell_open", {}, seq, functools.partial(self._shell_open, sandbox))
+
+    async def _shell_open(self, sandbox: Sandbox) -> str:
+        sandbox_id = sandbox.id
         argv = [
             "/bin/sh",
             "-c",
@@ -586,13 +752,26 @@ class NodeService:
         return shell_id
 
     async def shell_run(
-        self, shell_id: str, cmd: str, timeout: float | None = None, idle_timeout: float | None = None
+        self,
+        shell_id: str,
+        cmd: str,
+        timeout: float | None = None,
+        idle_timeout: float | None = None,
+        seq: int | None = None,
     ) -> ExecResult:
+        sandbox_id = shell_id.partition("/sh-")[0]
         shell = self.shells.get(shell_id)
-        if shell is None:
+        if sandbox_id not in self.sandboxes and shell is None:
             raise SandboxNotFoundError(f"no shell {shell_id} (closed, or its sandbox was closed)")
-        self._get(shell.sandbox_id)
-        return await shell.run(cmd, timeout, idle_timeout)
+        sandbox = self._get(sandbox_id)
+
+        async def run() -> ExecResult:
+            if shell is None:
+                raise SandboxNotFoundError(f"no shell {shell_id} (closed, or the node restarted since it opened)")
+            return await shell.run(cmd, timeout, idle_timeout)
+
+        args = {"shell_id": shell_id, "cmd": cmd, "timeout": timeout, "idle_timeout": idle_timeout}
+        return await self._step(sandbox, "shell_run", args, seq, run)
 
     async def shell_close(self, shell_id: str) -> None:
         shell = self.shells.pop(shell_id, None)
@@ -695,9 +874,11 @@ class NodeService:
     ) -> dict[str, Any]:
         return await self.node_images.push(name, reference, auth, emit)
 
-    async def sandbox_snapshot(self, sandbox_id: str, name: str) -> dict[str, Any]:
-        """Commit the sandbox's writes as a new image `name` (its image plus one layer)."""
-        return await self.node_images.snapshot(self, self._get(sandbox_id), name)
+    async def sandbox_snapshot(self, sandbox_id: str, name: str, seq: int | None = None) -> dict[str, Any]:
+        """Commit the sandbox's writes as a new image `name` (its image plus one layer); a logged step."""
+        sandbox = self._get(sandbox_id)
+        run = functools.partial(self.node_images.snapshot, self, sandbox, name)
+        return await self._step(sandbox, "sandbox_snapshot", {"name": name}, seq, run)
 
     async def status(self) -> dict[str, Any]:
         states = collections.Counter(s.state.value for s in self.sandboxes.values())
@@ -716,7 +897,51 @@ class NodeService:
             "shells": len(self.shells),
             "functions": self.functions.stats(),
             "home": str(self.paths.home),
+            "adopted": list(self.adopted),
+            "lost": dict(self.lost),
+            "trajectory": {
+                "appended": self.trajectory.appended,
+                "commits": self.trajectory.commits,
+                "fast_forwarded": self.recorder.fast_forwarded,
+            },
         }
+
+    # ---------------------------------------------------------------- trajectory log
+
+    def _log_owner(self, target: str) -> str:
+        """A sandbox ID (live or ended) or a trajectory name, resolved to the sandbox ID whose log it is."""
+        if target in self.sandboxes or self.trajectory.sandbox(target) is not None:
+            return target
+        row = self.trajectory.by_trajectory(target)
+        if row is None:
+            raise SandboxNotFoundError(f"no trajectory log for {target!r} on node {self.settings.node_id}")
+        return row["id"]
+
+    async def log_steps(
+        self, target: str, since: int = 0, limit: int = 1000, max_bytes: int = 16 << 20
+    ) -> dict[str, Any]:
+        """A page of the trajectory log of a sandbox (by ID or trajectory name): its record and up to `limit`
+        steps from `since` in order (fewer if they hold more than `max_bytes`; always at least one)."""
+        sandbox_id = self._log_owner(target)
+        steps: list[dict[str, Any]] = []
+        size = 0
+        for step in self.trajectory.steps(sandbox_id, since):
+            size += step.size
+            if len(steps) >= limit or (steps and size > max_bytes):
+                break
+            steps.append({**step.to_dict(), "summary": step.describe()})
+        return {"sandbox": self.trajectory.sandbox(sandbox_id), "steps": steps}
+
+    async def replay(self, target: str, image: str | None = None, keep: bool = False) -> dict[str, Any]:
+        """Re-run a recorded trajectory in a fresh sandbox; report each step whose outcome differs."""
+        from shoal.node.replay import replay
+
+        return await replay(self, self._log_owner(target), image, keep)
+
+
+def _stored_spec(spec: SandboxSpec) -> dict[str, Any]:
+    """The spec as the log keeps it (file contents are kept: a replay writes them again)."""
+    return msgspec.structs.asdict(spec)
 
 
 def _abs(path: str, sandbox: Sandbox) -> str:

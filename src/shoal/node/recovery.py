@@ -1,0 +1,121 @@
+"""Node recovery: after the node process dies, a new one re-adopts the sandboxes that still run.
+
+A sandbox outlives its node: the OCI runtime runs it detached and its agent keeps listening on
+`sandboxes/<id>/agent.sock`. What the node knew about it is persisted in `record.json` (the substrate's
+part, written before anything is made, plus a `node` part written once the sandbox is bound: its spec,
+image, user and lifetime). A restarted node adopts a sandbox when that record is complete, its agent
+process still lives in its cgroup and (unless frozen) answers; its trajectory log continues where it was.
+Everything else is cleaned up and reported as lost.
+
+Not carried over: shell sessions (their processes belong to the old node's agent connections) and warm
+pool members (they are cleaned up; the pools refill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from shoal import cgroups
+from shoal.guest import AgentClient
+from shoal.node import network
+from shoal.node.sandbox import Sandbox, State
+from shoal.protocol import SandboxSpec, convert
+from shoal.substrates import Instance
+
+if TYPE_CHECKING:
+    from shoal.node.images import NodeImages
+
+HELLO_TIMEOUT_S = 3.0
+
+
+class NotAdoptable(Exception):
+    """Why a sandbox found after a restart cannot be taken over."""
+
+
+def write_record(sandbox: Sandbox) -> None:
+    """Merge the node's view of `sandbox` into its record.json (atomically: write, fsync, rename)."""
+    path = sandbox.instance.directory / "record.json"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        record = {"id": sandbox.id, "kind": sandbox.spec.kind, "cgroup": sandbox.instance.cgroup_path}
+    spec = msgspec.structs.replace(sandbox.spec, files={})  # files were written into the sandbox already
+    record["node"] = {
+        "spec": msgspec.to_builtins(spec),
+        "image": sandbox.image.name,
+        "uid": sandbox.uid,
+        "gid": sandbox.gid,
+        "state": sandbox.state.value,
+        "created_at": sandbox.created_at,
+        "expires_at": sandbox.expires_at,
+        "agent_socket": str(sandbox.instance.agent_socket),
+        "extra": {k: v for k, v in sandbox.instance.extra.items() if isinstance(v, str | int | float | bool)},
+    }
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as handle:
+        json.dump(record, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def frozen(cgroup_path: str) -> bool:
+    rel = cgroup_path.lstrip("/")
+    try:
+        if cgroups.layout() == "v2":
+            return "frozen 1" in (cgroups.ROOT / rel / "cgroup.events").read_text()
+        return (cgroups.ROOT / "freezer" / rel / "freezer.state").read_text().strip() == "FROZEN"
+    except OSError:
+        return False
+
+
+async def adopt(directory: Path, node_images: NodeImages) -> Sandbox:
+    """Rebuild the node's record of a running sandbox from its state directory, or raise NotAdoptable.
+
+    Its image layers are acquired again (the sandbox's overlay still holds the mounts of the dead node's
+    namespace; acquiring keeps this node's reference counts right for when it is closed)."""
+    try:
+        record = json.loads((directory / "record.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise NotAdoptable(f"its record.json is unreadable ({exc})") from None
+    node: dict[str, Any] | None = record.get("node")
+    if node is None:
+        raise NotAdoptable("the node stopped before the sandbox was ready (or it was a warm-pool member)")
+    spec = convert(node["spec"], SandboxSpec)
+    if network.normalise(spec.network):
+        raise NotAdoptable("its network plumbing (veth, nftables rules) does not survive a node restart yet")
+    cgroup_path = record["cgroup"]
+    extra: dict[str, Any] = {"runtime": record.get("runtime", "crun"), **node.get("extra", {})}
+    pid = extra.get("pid")  # the agent's host pid (not known under gVisor, whose agent answers or not)
+    if pid is not None and pid not in cgroups.procs(cgroup_path):
+        raise NotAdoptable(f"its agent (pid {pid}) no longer runs in cgroup {cgroup_path}")
+    instance = Instance(
+        id=record["id"],
+        kind=record.get("kind", "container"),
+        directory=directory,
+        agent_socket=Path(node.get("agent_socket") or directory / "agent.sock"),
+        cgroup_path=cgroup_path,
+        extra=extra,
+    )
+    agent = AgentClient(str(instance.agent_socket))
+    state = State.PAUSED if frozen(cgroup_path) else State.READY
+    if state is State.READY:
+        try:
+            await asyncio.wait_for(agent.hello(), HELLO_TIMEOUT_S)
+        except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
+            raise NotAdoptable(f"its agent does not answer on {instance.agent_socket} ({exc!r})") from None
+    try:
+        image = await node_images.acquire(await node_images.resolve(spec.image, spec.layers))
+    except Exception as exc:
+        raise NotAdoptable(f"its image {node['image']!r} cannot be used any more ({exc})") from None
+    sandbox = Sandbox(id=instance.id, spec=spec, image=image, instance=instance, agent=agent, state=state)
+    sandbox.created_at = node["created_at"]
+    sandbox.expires_at = node["expires_at"]
+    sandbox.uid, sandbox.gid = node["uid"], node["gid"]
+    return sandbox

@@ -1,0 +1,368 @@
+"""The trajectory log: every step run in a sandbox, in order, durable before its result is returned.
+
+One SQLite database per node (`$SHOAL_HOME/trajectory.db`) in WAL mode with `synchronous=FULL`, so a
+committed step survives a SIGKILL of the node and a power cut. Appends go to one writer thread that
+commits whatever has queued up in a single transaction (group commit): under concurrency many steps share
+one fsync. Reads (fast-forward, `shoal log`) use a separate connection on the event loop: point lookups by
+primary key take microseconds.
+
+A step's `key` (shoal/steps.py) is a digest of the arguments that define it; a re-issued step with the
+same sequence number and key returns the logged result, a different key is a divergence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import sqlite3
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from shoal.steps import describe, divergence_message, step_key
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY, trajectory TEXT, image TEXT, spec BLOB, created_at REAL,
+    closed_at REAL, status TEXT NOT NULL DEFAULT 'live', reason TEXT
+);
+CREATE INDEX IF NOT EXISTS sandboxes_by_trajectory ON sandboxes (trajectory);
+CREATE TABLE IF NOT EXISTS steps (
+    sandbox_id TEXT NOT NULL, seq INTEGER NOT NULL, op TEXT NOT NULL, key TEXT NOT NULL, args BLOB,
+    result BLOB, error_type TEXT, error TEXT, started_at REAL, finished_at REAL,
+    PRIMARY KEY (sandbox_id, seq)
+) WITHOUT ROWID;
+"""
+
+# Tasks whose client connection went away: a logged step they run keeps going and is logged (see service).
+detached_tasks: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+
+
+@dataclass(frozen=True)
+class Step:
+    sandbox_id: str
+    seq: int
+    op: str
+    key: str
+    args: dict[str, Any]
+    result: Any
+    error_type: str | None
+    error: str | None
+    started_at: float
+    finished_at: float | None
+    size: int = 0  # bytes of its stored arguments and result
+
+    def describe(self) -> str:
+        return describe(self.op, self.args)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sandbox_id": self.sandbox_id,
+            "seq": self.seq,
+            "op": self.op,
+            "key": self.key,
+            "args": self.args,
+            "result": self.result,
+            "error_type": self.error_type,
+            "error": self.error,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+        }
+
+
+class TrajectoryLog:
+    """Append steps durably (group commit on a writer thread); read them back on the caller's thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._reader = self._connect()
+        self._reader.executescript(SCHEMA)
+        self._queue: queue.SimpleQueue[tuple[str, tuple, asyncio.Future, asyncio.AbstractEventLoop, bool] | None]
+        self._queue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_forever, name="shoal-trajectory", daemon=True)
+        self._writer.start()
+        self.commits = 0
+        self.appended = 0
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA busy_timeout=10000")
+        return db
+
+    # ---------------------------------------------------------------- writes (durable when awaited)
+
+    async def _submit(self, sql: str, params: tuple, fsync: bool = True) -> None:
+        """Queue one write and wait until it is committed: written to the WAL (it survives the node
+        process dying) and, with `fsync`, flushed to the disk (it survives the machine dying too)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._queue.put((sql, params, done, loop, fsync))
+        try:
+            await asyncio.shield(done)  # a cancelled caller must not abandon a write half way
+        except sqlite3.Error as exc:
+            from shoal.errors import CapacityError, ShoalError
+
+            if "full" in str(exc):
+                raise CapacityError(
+                    f"the trajectory log {self.path} cannot be written: no space left; free disk space "
+                    "(or create sandboxes with record=False)"
+                ) from exc
+            raise ShoalError(f"the trajectory log {self.path} could not be written: {exc}") from exc
+
+    async def append(
+        self,
+        sandbox_id: str,
+        seq: int,
+        op: str,
+        key: str,
+        args: dict[str, Any],
+        result: Any,
+        error: tuple[str, str] | None,
+        started_at: float,
+    ) -> None:
+        row = (sandbox_id, seq, op, key, _encode(args), _encode(result), *(error or (None, None)), started_at)
+        await self._submit("INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?,?,?,?)", (*row, time.time()))
+
+    async def begin(
+        self, sandbox_id: str, seq: int, op: str, key: str, args: dict[str, Any], started_at: float
+    ) -> None:
+        """Log that a step is about to run: if the node dies before its result is logged, a re-issue of
+        the step raises (its outcome is unknown) rather than running it a second time.
+
+        Written to the WAL without an fsync: it must outlive the node process, not the machine (a machine
+        that dies takes its sandboxes, and so the need for the intent, with it)."""
+        message = (
+            f"step {seq} was running when the node stopped: it may have run, in part or whole; its outcome is unknown"
+        )
+        row = (sandbox_id, seq, op, key, _encode(args), _encode(None), "ShoalError", message, started_at, None)
+        await self._submit("INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?,?,?,?)", row, fsync=False)
+
+    async def open_sandbox(self, sandbox_id: str, trajectory: str | None, image: str, spec: Any) -> None:
+        await self._submit(
+            "INSERT OR REPLACE INTO sandboxes (id, trajectory, image, spec, created_at) VALUES (?,?,?,?,?)",
+            (sandbox_id, trajectory, image, _encode(spec), time.time()),
+        )
+
+    async def close_sandbox(self, sandbox_id: str, status: str, reason: str) -> None:
+        await self._submit(
+            "UPDATE sandboxes SET closed_at=?, status=?, reason=? WHERE id=? AND status='live'",
+            (time.time(), status, reason, sandbox_id),
+        )
+
+    async def prune(self, closed_before: float) -> None:
+        """Forget the logs of sandboxes that ended before `closed_before` (live ones are always kept)."""
+        ended = "SELECT id FROM sandboxes WHERE status != 'live' AND closed_at < ?"
+        await self._submit(f"DELETE FROM steps WHERE sandbox_id IN ({ended})", (closed_before,), fsync=False)
+        await self._submit(f"DELETE FROM sandboxes WHERE id IN ({ended})", (closed_before,), fsync=False)
+
+    def _write_forever(self) -> None:
+        db = self._connect()
+        synchronous = "FULL"
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            batch = [item]
+            while True:  # group commit: take everything that queued up while the last fsync ran
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._queue.put(None)
+                    break
+                batch.append(more)
+            failure: BaseException | None = None
+            try:
+                wanted = "FULL" if any(item[4] for item in batch) else "NORMAL"
+                if wanted != synchronous:
+                    db.execute(f"PRAGMA synchronous={wanted}")
+                    synchronous = wanted
+                db.execute("BEGIN IMMEDIATE")
+                for sql, params, _, _, _ in batch:
+                    db.execute(sql, params)
+                db.execute("COMMIT")
+                self.commits += 1
+                self.appended += len(batch)
+            except BaseException as exc:  # report to every waiter; the node keeps running
+                failure = exc
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+            for _, _, future, loop, _ in batch:
+                loop.call_soon_threadsafe(_settle, future, failure)
+        db.close()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join(timeout=10)
+        self._reader.close()
+
+    # ---------------------------------------------------------------- reads
+
+    def get(self, sandbox_id: str, seq: int) -> Step | None:
+        row = self._reader.execute("SELECT * FROM steps WHERE sandbox_id=? AND seq=?", (sandbox_id, seq)).fetchone()
+        return None if row is None else _step(row)
+
+    def next_seq(self, sandbox_id: str) -> int:
+        row = self._reader.execute("SELECT MAX(seq) FROM steps WHERE sandbox_id=?", (sandbox_id,)).fetchone()
+        return 0 if row[0] is None else row[0] + 1
+
+    def steps(self, sandbox_id: str, since: int = 0) -> Iterator[Step]:
+        cursor = self._reader.execute(
+            "SELECT * FROM steps WHERE sandbox_id=? AND seq>=? ORDER BY seq", (sandbox_id, since)
+        )
+        for row in cursor:
+            yield _step(row)
+
+    def sandbox(self, sandbox_id: str) -> dict[str, Any] | None:
+        row = self._reader.execute("SELECT * FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
+        return None if row is None else _sandbox_row(row)
+
+    def by_trajectory(self, trajectory: str) -> dict[str, Any] | None:
+        """The most recent sandbox that ran this trajectory."""
+        row = self._reader.execute(
+            "SELECT * FROM sandboxes WHERE trajectory=? ORDER BY created_at DESC LIMIT 1", (trajectory,)
+        ).fetchone()
+        return None if row is None else _sandbox_row(row)
+
+
+def _settle(future: asyncio.Future, failure: BaseException | None) -> None:
+    if future.done():
+        return
+    if failure is None:
+        future.set_result(None)
+    else:
+        future.set_exception(failure)
+
+
+def _step(row: tuple) -> Step:
+    sandbox_id, seq, op, key, args, result, error_type, error, started_at, finished_at = row
+    size = len(args or b"") + len(result or b"")
+    return Step(
+        sandbox_id, seq, op, key, _decode(args), _decode(result), error_type, error, started_at, finished_at, size
+    )
+
+
+def _sandbox_row(row: tuple) -> dict[str, Any]:
+    sandbox_id, trajectory, image, spec, created_at, closed_at, status, reason = row
+    return {
+        "id": sandbox_id,
+        "trajectory": trajectory,
+        "image": image,
+        "spec": _decode(spec) if spec else {},
+        "created_at": created_at,
+        "closed_at": closed_at,
+        "status": status,
+        "reason": reason,
+    }
+
+
+class Recorder:
+    """Runs a sandbox's steps through the log: fast-forward what is logged, log what runs.
+
+    Sequence numbers: a step with `seq=None` is appended at the end. A step whose `seq` is already in
+    the log returns the logged result (or raises the logged error) without running, after waiting for
+    it if it is still running; a different step at that `seq` raises DivergenceError. A `seq` past the
+    end of the log is refused: steps are contiguous.
+    """
+
+    def __init__(self, log: TrajectoryLog, intents: bool = True) -> None:
+        self.log = log
+        self.intents = intents  # log each step before it runs too (see TrajectoryLog.begin)
+        self.fast_forwarded = 0
+
+    async def step(self, sandbox: Any, op: str, args: dict[str, Any], seq: int | None, run: Any) -> Any:
+        from shoal.errors import DivergenceError, InvalidRequestError
+
+        if not sandbox.spec.record:
+            return await run()
+        key = step_key(op, args)
+        if seq is None:
+            seq = sandbox.next_seq
+        if seq < 0:
+            raise InvalidRequestError(f"seq={seq}: sequence numbers start at 0")
+        if seq < sandbox.next_seq:
+            running = sandbox.inflight.get(seq)
+            if running is not None:  # the original request is still running (its client went away)
+                await asyncio.wait({running})
+            logged = self.log.get(sandbox.id, seq)
+            if logged is None:
+                raise InvalidRequestError(f"step {seq} of sandbox {sandbox.id} was not logged (logging was off)")
+            if logged.key != key:
+                raise DivergenceError(divergence_message(sandbox.id, seq, logged.describe(), describe(op, args)))
+            self.fast_forwarded += 1
+            return _replay_outcome(logged)
+        if seq > sandbox.next_seq:
+            raise InvalidRequestError(
+                f"step {seq} skips ahead: the log of sandbox {sandbox.id} ends before step {sandbox.next_seq}; "
+                f"issue step {sandbox.next_seq} next (or omit seq to append)"
+            )
+        sandbox.next_seq = seq + 1
+        task = asyncio.ensure_future(self._run_and_log(sandbox, seq, op, key, args, run))
+        sandbox.inflight[seq] = task
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if asyncio.current_task() not in detached_tasks:
+                task.cancel()  # the client itself cancelled: stop the step (it is logged as cancelled)
+                await asyncio.wait({task})
+            raise
+
+    async def _run_and_log(self, sandbox: Any, seq: int, op: str, key: str, args: dict, run: Any) -> Any:
+        started = time.time()
+        try:
+            if self.intents:
+                await self.log.begin(sandbox.id, seq, op, key, args, started)
+            try:
+                result = await run()
+            except asyncio.CancelledError:
+                message = f"step {seq} was cancelled by its client while it ran (it may have run in part)"
+                await self.log.append(sandbox.id, seq, op, key, args, None, ("ShoalError", message), started)
+                raise
+            except Exception as exc:
+                await self.log.append(sandbox.id, seq, op, key, args, None, _error(exc), started)
+                raise
+            await self.log.append(sandbox.id, seq, op, key, args, result, None, started)
+            return result
+        finally:
+            sandbox.inflight.pop(seq, None)
+            sandbox.last_active = time.time()
+
+
+def _error(exc: BaseException) -> tuple[str, str]:
+    from shoal.errors import ShoalError
+
+    if isinstance(exc, ShoalError | FileNotFoundError | IsADirectoryError | NotADirectoryError | PermissionError):
+        return type(exc).__name__, str(exc)
+    if isinstance(exc, FileExistsError):
+        return type(exc).__name__, str(exc)
+    return "ShoalError", f"{type(exc).__name__}: {exc}"
+
+
+def _replay_outcome(step: Step) -> Any:
+    """The logged result of a step, or its logged error raised again."""
+    from shoal.errors import ERROR_TYPES, ShoalError
+
+    if step.error_type is None:
+        return step.result
+    builtin = {
+        "FileNotFoundError": FileNotFoundError,
+        "IsADirectoryError": IsADirectoryError,
+        "NotADirectoryError": NotADirectoryError,
+        "PermissionError": PermissionError,
+        "FileExistsError": FileExistsError,
+    }
+    cls = ERROR_TYPES.get(step.error_type) or builtin.get(step.error_type) or ShoalError
+    raise cls(step.error)

@@ -1,0 +1,111 @@
+"""Node recovery: a SIGKILLed node's successor re-adopts what still runs and cleans up what it cannot."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import NodeProcess, leftovers, no_leftovers
+
+import shoal
+
+
+def test_sigkilled_node_under_load_is_recovered(tmp_path: Path) -> None:
+    doomed = NodeProcess(tmp_path / "home", f"shoal-test-recover-{os.getpid()}").start()
+    restarted = None
+    try:
+        with doomed.client() as client:
+            plain = [client.create(image="busybox", pool=False, labels={"k": "plain"}) for _ in range(3)]
+            for i, sb in enumerate(plain):
+                sb.files.write("/kept", f"file {i}")
+                sb.exec("sleep 1000 >/dev/null 2>&1 &")
+            paused = client.create(image="busybox", pool=False, labels={"k": "paused"})
+            paused.files.write("/kept", "paused file")
+            paused.pause()
+            traj = client.create(image="busybox", pool=False, trajectory="recover/1")
+            traj.exec("echo a >> /steps")
+            victim = client.create(image="busybox", pool=False, labels={"k": "victim"})
+            victim_pid = int((doomed.home / "sandboxes" / victim.id / "pid").read_text())
+            stop = threading.Event()
+
+            def load(sb: shoal.Sandbox) -> None:  # steps in flight when the node dies
+                while not stop.is_set():
+                    try:
+                        sb.exec("echo x >> /load; sleep 0.05")
+                    except shoal.ShoalError:
+                        return
+
+            threads = [threading.Thread(target=load, args=(sb,)) for sb in plain]
+            for t in threads:
+                t.start()
+            time.sleep(0.5)
+            os.kill(doomed.pid, signal.SIGKILL)
+            doomed.stop(signal.SIGKILL)
+            stop.set()
+            for t in threads:
+                t.join()
+        os.kill(victim_pid, signal.SIGKILL)  # this sandbox dies while no node watches it
+        found = leftovers(doomed.home, doomed.cgroup_parent)
+        assert len(found["mounts"]) == 6 and len(found["agents"]) == 5
+
+        restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
+        with restarted.client() as client:
+            status = client.status()
+            assert sorted(status["adopted"]) == sorted([*(s.id for s in plain), paused.id, traj.id])
+            assert list(status["lost"]) == [victim.id]
+            for _ in range(2):  # every request for it says so
+                with pytest.raises(shoal.SandboxLostError, match="could not re-adopt"):
+                    client.get(victim.id)
+            for i, sb in enumerate(plain):
+                again = client.get(sb.id)
+                assert again.files.read_text("/kept") == f"file {i}"
+                assert "sleep 1000" in again.exec("ps").stdout
+            assert client.get(paused.id).info.state == "paused"
+            assert client.get(paused.id).files.read_text("/kept") == "paused file"  # transparent resume
+            resumed = client.create(image="busybox", pool=False, trajectory="recover/1")
+            assert resumed.id == traj.id and resumed.info.steps == 1
+            resumed.exec("echo a >> /steps")  # fast-forwarded from the log kept across the restart
+            resumed.exec("echo b >> /steps")
+            assert resumed.files.read_text("/steps") == "a\nb\n"
+            assert client.close_all() == 5
+        found = no_leftovers(restarted.home, restarted.cgroup_parent)
+        assert not found, found
+    finally:  # also after a failed assertion: a node on this home closes whatever is left
+        if restarted is None:
+            doomed.stop(signal.SIGKILL)
+            restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
+        restarted.stop()
+    assert not no_leftovers(doomed.home, doomed.cgroup_parent, node_stopped=True)
+
+
+def test_step_in_flight_at_node_death_is_not_run_twice(tmp_path: Path) -> None:
+    doomed = NodeProcess(tmp_path / "home", f"shoal-test-inflight-{os.getpid()}").start()
+    restarted = None
+    try:
+        with doomed.client() as client:
+            sb = client.create(image="busybox", pool=False, trajectory="inflight")
+            sb.exec("echo 0 >> /f")
+            killer = threading.Timer(0.5, os.kill, (doomed.pid, signal.SIGKILL))
+            killer.start()
+            with pytest.raises(shoal.NodeError):
+                sb.exec("echo 1 >> /f; sleep 30")  # the node dies while this runs
+            doomed.stop(signal.SIGKILL)
+            restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
+            # the same handle, reconnected: its retry of the step cannot know whether it ran
+            with pytest.raises(shoal.ShoalError, match="running when the node stopped"):
+                sb.exec("echo 1 >> /f; sleep 30")
+            assert sb.exec("cat /f").stdout == "0\n1\n"  # the next step runs; nothing ran twice
+        with restarted.client() as client:  # a new client re-issuing the whole trajectory
+            again = client.create(image="busybox", pool=False, trajectory="inflight")
+            assert again.exec("echo 0 >> /f").exit_code == 0
+            with pytest.raises(shoal.ShoalError, match="running when the node stopped"):
+                again.exec("echo 1 >> /f; sleep 30")
+            assert again.exec("cat /f").stdout == "0\n1\n"  # logged result of that same step
+            again.close()
+    finally:
+        (restarted or doomed).stop()
+    assert not no_leftovers(doomed.home, doomed.cgroup_parent, node_stopped=True)
