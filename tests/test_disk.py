@@ -81,6 +81,10 @@ def test_killed_node_leaves_no_disks(tmp_path: Path) -> None:
     assert leftovers(doomed.home, doomed.cgroup_parent)["loops"]  # the SIGKILL really left disks
     doomed.start()
     try:
+        with doomed.client() as client:  # the restarted node re-adopts them (issue 5); closing frees the disks
+            assert len(client.status()["adopted"]) == 2
+            assert [s.exec("cat /x").stdout for s in map(client.get, client.status()["adopted"])] == ["x\n"] * 2
+            assert client.close_all() == 2
         assert not no_leftovers(doomed.home, doomed.cgroup_parent)
     finally:
         doomed.stop()
