@@ -19,7 +19,7 @@ import time
 
 os.environ.setdefault("SHOAL_HOME", "/tmp/traj-bench")
 os.environ.setdefault("SHOAL_CGROUP_PARENT", "traj-bench")
-os.environ.setdefault("SHOAL_IMAGES", "/var/lib/shoal/images")
+os.environ.setdefault("SHOAL_IMAGES", "/var/lib/shoal/store")
 
 import shoal  # noqa: E402
 
