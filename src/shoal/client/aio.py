@@ -18,7 +18,7 @@ from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.client.transport import Connection
 from shoal.client.transport import _error as wire_error
 from shoal.config import Paths
-from shoal.errors import DivergenceError, NodeError, ShoalError
+from shoal.errors import DivergenceError, NodeError, SandboxLostError, ShoalError
 from shoal.images.builder import ImageBuilder
 from shoal.protocol import OutputChunk, SandboxSpec
 from shoal.steps import describe, divergence_message, step_key
@@ -450,9 +450,11 @@ class AsyncSandbox:
                 return self._fast_forward(op, args, logged)
         try:
             return await self.client.call(op, {"req": args} if op == "exec" else args, **call_options)
-        except NodeError:
-            if seq is not None and self.seq == seq + 1:  # the node went away: retrying reuses the number,
-                self.seq = seq  # so a step that did start raises (outcome unknown) instead of running again
+        except (NodeError, SandboxLostError):
+            # the node (or the way to it) went away: the retry reuses the number, so a step that never
+            # arrived runs, and one that did start raises (its outcome is unknown) instead of running again
+            if seq is not None and self.seq == seq + 1:
+                self.seq = seq
             raise
 
     async def _fetch(self, since: int) -> None:
