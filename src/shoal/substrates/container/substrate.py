@@ -152,10 +152,18 @@ class ContainerSubstrate(Substrate):
 
 
 async def _wait_for_socket(path: Path, log: Path, timeout: float = 30.0) -> None:
-    """The agent creates its socket itself under gVisor: wait until it exists."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not path.exists():
-        if asyncio.get_running_loop().time() > deadline:
+    """The agent creates its socket itself under gVisor: wait until it accepts a connection (it exists a
+    moment before the agent listens on it)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            _reader, writer = await asyncio.open_unix_connection(str(path))
+            writer.close()
+            return
+        except (FileNotFoundError, ConnectionRefusedError):
+            pass
+        if loop.time() > deadline:
             detail = log.read_text(errors="replace")[-500:] if log.exists() else ""
             raise SandboxLostError(f"the sandbox's agent did not come up within {timeout:.0f} s: {detail}")
         await asyncio.sleep(0.005)
