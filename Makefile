@@ -7,7 +7,7 @@ APT_PACKAGES := crun runc runsc bubblewrap mmdebstrap busybox-static erofs-utils
 	skopeo umoci docker-registry
 PYTHON ?= python3
 
-.PHONY: setup demo test bench lint clean-state apt venv agent images
+.PHONY: setup demo test bench bench-vm lint clean-state apt venv agent images vm-images
 
 setup: apt venv agent images
 
@@ -29,8 +29,15 @@ venv: $(VENV)/.installed
 agent: venv
 	@$(PY) -c "from shoal.guest import agent_binary_path; print('agent:', agent_binary_path())"
 
-images: venv
+images: venv vm-images
 	@$(PY) -m shoal.images.builtin busybox debian debian-dev
+
+# microvm/vm: Debian's kernel (apt-get download, unpacked into SHOAL_VM_CACHE), the initramfs, the systemd
+# Debian root for `vm`, and the accelerator probe (KVM if a guest really boots under it, else TCG).
+vm-images: venv agent
+	@$(PY) -m shoal.substrates.qemu.kernel
+	@$(PY) -c "from shoal.substrates.qemu.kernel import cache_dir; from shoal.substrates.vm.rootfs import ensure_vm_rootfs; print('vm rootfs:', ensure_vm_rootfs(cache_dir()))"
+	@$(PY) -m shoal.substrates.qemu.accel
 
 demo: setup
 	$(VENV)/bin/shoal demo
@@ -45,6 +52,10 @@ bench: setup
 	$(PY) bench/bench_function.py
 	$(PY) bench/bench_humaneval.py
 	$(PY) bench/bench_cluster.py
+	$(PY) bench/bench_vm.py
+
+bench-vm: setup
+	$(PY) bench/bench_vm.py
 
 lint: venv
 	$(VENV)/bin/ruff check src tests bench examples

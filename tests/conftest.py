@@ -38,7 +38,7 @@ def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dic
             cgroup_dirs += [str(p) for p in parent.iterdir() if p.is_dir()]
             if node_stopped:  # a node that stopped cleanly removes its own parent too
                 cgroup_dirs.append(str(parent))
-    agents = []
+    agents, vms = [], []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
@@ -47,6 +47,8 @@ def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dic
                 continue
             if cmdline.startswith(b"/.shoal/agent") and _in_cgroup(proc, cgroup_parent):
                 agents.append(proc.name)
+            if b"qemu-system" in cmdline.split(b"\0")[0] and f"{home}/".encode() in cmdline:
+                vms.append(proc.name)
     dirs = [str(p) for p in (home / "sandboxes").iterdir()] if (home / "sandboxes").is_dir() else []
     prefix = node_tag(home)
     links = [n for n in os.listdir("/sys/class/net") if n.startswith(prefix)]
@@ -56,8 +58,12 @@ def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dic
     else:
         nft = re.findall(r"chain (sb\d+)", table.stdout)
     loops = [line for line in _losetup() if line.endswith(f"/disk-{prefix}.img")]
-    return {"mounts": mounts, "cgroups": cgroup_dirs, "agents": agents, "dirs": dirs, "links": links, "nft": nft,
-            "loops": loops, "layers": layer_mounts(home)}  # fmt: skip
+    # VM snapshots live until deleted or the node stops; half-built templates never stay.
+    vm_files = [str(p) for p in (home / "vm-templates").glob(".build-*")]
+    if node_stopped:
+        vm_files += [str(p) for p in (home / "vm-snapshots").glob("*")]
+    return {"mounts": mounts, "cgroups": cgroup_dirs, "agents": agents, "qemu": vms, "dirs": dirs, "links": links,
+            "nft": nft, "loops": loops, "vm_files": vm_files, "layers": layer_mounts(home)}  # fmt: skip
 
 
 def _losetup() -> list[str]:

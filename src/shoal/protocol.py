@@ -46,6 +46,7 @@ class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     on_timeout: str = "kill"  # late-bound: "kill" | "pause", when ttl_s or idle_timeout_s runs out
     trajectory: str | None = None  # late-bound: a name; create() with a live trajectory's name attaches
     record: bool = True  # late-bound: log every step (durably, before its result returns)
+    snapshot: str | None = None  # microvm/vm: restore this snapshot (memory + disk) instead of booting
 
     def pool_key(self) -> str:
         """Sandboxes that differ only in late-bound fields share a warm pool."""

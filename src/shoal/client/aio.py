@@ -269,6 +269,14 @@ class AsyncClient:
     async def status(self) -> dict[str, Any]:
         return await self.call("status")
 
+    async def kinds(self) -> list[str]:
+        """The sandbox kinds this node can make (microvm/vm need QEMU on the node's host)."""
+        return (await self.call("hello"))["kinds"]
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Remove a VM snapshot (sandboxes restored from it keep running)."""
+        await self.call("vm_snapshot_delete", {"snapshot_id": snapshot_id})
+
     async def build_image(
         self,
         name: str,
@@ -559,12 +567,9 @@ class AsyncSandbox:
             await self.client.call("keepalive", {"sandbox_id": self.id, "ttl_s": ttl_s}), SandboxInfo
         )
 
-    async def snapshot(self, name: str) -> dict[str, Any]:
-        """Commit this sandbox's writes (deletions too) as image `name`: its image plus one new layer."""
-        return await self._step("sandbox_snapshot", {"sandbox_id": self.id, "name": name})
-
     async def pause(self) -> dict[str, Any]:
-        """Freeze it and reclaim its memory; files, processes and shells survive; any request resumes it."""
+        """Pause: a container is frozen and its memory reclaimed; a VM is saved to disk and its QEMU stopped.
+        Files, processes and shells survive; any request resumes it."""
         return await self.client.call("pause", {"sandbox_id": self.id})
 
     async def resume(self) -> None:
@@ -574,6 +579,17 @@ class AsyncSandbox:
         """The steps of this sandbox's trajectory log, in order."""
         return (await self.client.log(self.id, since=since))["steps"]
 
+    async def snapshot(self, name: str | None = None) -> Any:
+        """container: commit its writes (deletions too) as image `name` (its image plus one new layer).
+
+        microvm/vm: capture memory and disk of the running VM and return a snapshot id, which
+        `client.create(kind, snapshot=id)` restores as a new running VM (`name` is not used)."""
+        if self.info.kind in ("microvm", "vm"):
+            return await self.client.call("vm_snapshot", {"sandbox_id": self.id})
+        if name is None:
+            raise TypeError(f"snapshot() of a {self.info.kind} commits an image: give it a name")
+        return await self._step("sandbox_snapshot", {"sandbox_id": self.id, "name": name})
+
     async def set_network(self, network: str | list[str] | dict[str, bool]) -> dict[str, Any]:
         """Change the network policy now: "none", a preset ("pypi"), rules ("tcp://host:443",
         "10.0.0.0/8:80", "udp://1.2.3.4:53"), a list of them, or {"pypi": True, "npm": False}.
@@ -582,6 +598,17 @@ class AsyncSandbox:
         Returns what was applied (rules, resolved names, the sandbox's address).
         """
         return await self.client.call("set_network", {"sandbox_id": self.id, "network": network})
+
+    async def fork(self, count: int = 1) -> list[AsyncSandbox | Exception]:
+        """microvm/vm: `count` running copies of this VM; each slot is a sandbox or the exception that stopped it."""
+        results = await self.client.call("fork", {"sandbox_id": self.id, "count": count})
+        out: list[AsyncSandbox | Exception] = []
+        for item in results:
+            if "id" in item:
+                out.append(AsyncSandbox(self.client, protocol.convert(item, SandboxInfo)))
+            else:
+                out.append(wire_error(item["type"], item["message"]))
+        return out
 
     async def close(self) -> None:
         """Destroy the sandbox and everything it owns. Closing twice is fine."""

@@ -138,6 +138,12 @@ class Client:
     def status(self) -> dict[str, Any]:
         return self._run(self._async.status())
 
+    def kinds(self) -> list[str]:
+        return self._run(self._async.kinds())
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self._run(self._async.delete_snapshot(snapshot_id))
+
     def build_image(self, name: str, image: ImageBuilder | None = None, **options: Any) -> dict[str, Any]:
         return self._run(self._async.build_image(name, image, **options))
 
@@ -230,7 +236,7 @@ class Sandbox:
     def keepalive(self, ttl_s: float | None = None) -> None:
         self._client._run(self._inner.keepalive(ttl_s))
 
-    def snapshot(self, name: str) -> dict[str, Any]:
+    def snapshot(self, name: str | None = None) -> Any:
         return self._client._run(self._inner.snapshot(name))
 
     def set_network(self, network: str | list[str] | dict[str, bool]) -> dict[str, Any]:
@@ -245,6 +251,10 @@ class Sandbox:
 
     def log(self, *, since: int = 0) -> list[dict[str, Any]]:
         return self._client._run(self._inner.log(since=since))
+
+    def fork(self, count: int = 1) -> list[Sandbox | Exception]:
+        results = self._client._run(self._inner.fork(count))
+        return [r if isinstance(r, Exception) else Sandbox(self._client, r) for r in results]
 
     def close(self) -> None:
         self._client._run(self._inner.close())

@@ -49,6 +49,7 @@ log = logging.getLogger("shoal.gateway")
 ROUTED = {
     "get", "kill", "keepalive", "exec", "file_write", "file_read", "file_list", "file_stat", "file_mkdir",
     "file_remove", "shell_open", "shell_run", "shell_close", "sandbox_snapshot", "set_network",
+    "pause", "resume", "vm_snapshot", "fork",
 }  # fmt: skip
 ANYWHERE = {"fn_call", "fn_run_code"}  # stateless calls: any node that runs the kind, the least loaded of k
 # sent to every healthy node; answered as {node_id: result}

@@ -25,6 +25,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/random.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -1224,6 +1226,59 @@ static void do_remove(const unsigned char *pl, uint32_t plen) {
     send_ok(NULL, 0);
 }
 
+/* 'I' (VMs, after a restore or fork): str hostname, str machine_id, u64 realtime_ns, seed bytes.
+ * Gives the copy its own identity: hostname, /etc/machine-id, entropy pool, wall clock. */
+static void do_identity(const unsigned char *pl, uint32_t plen) {
+    struct cur c = {pl, plen, 0};
+    const char *host = get_str(&c);
+    const char *mid = get_str(&c);
+    uint64_t now = get_u64(&c);
+    if (c.bad) {
+        send_err(EINVAL, "malformed identity request");
+        return;
+    }
+    if (*host && sethostname(host, strlen(host)) < 0) {
+        send_err(errno, "sethostname: %s", strerror(errno));
+        return;
+    }
+    if (*mid) {
+        int fd = open("/etc/machine-id", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0444);
+        if (fd >= 0) {
+            dprintf(fd, "%s\n", mid);
+            close(fd);
+        }
+    }
+    if (now) {
+        struct timespec ts = {(time_t)(now / 1000000000ULL), (long)(now % 1000000000ULL)};
+        clock_settime(CLOCK_REALTIME, &ts);
+    }
+    if (c.n > 0 && c.n <= 512) {
+        struct {
+            int entropy_count;
+            int buf_size;
+            unsigned char buf[512];
+        } ent;
+        ent.entropy_count = (int)c.n * 8;
+        ent.buf_size = (int)c.n;
+        memcpy(ent.buf, c.p, c.n);
+        int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            if (ioctl(fd, RNDADDENTROPY, &ent) < 0 && write(fd, c.p, c.n) < 0) {
+                /* best effort: nothing more to do */
+            }
+            /* Mixing entropy in does not rekey the kernel's CRNG at once: copies restored from one
+               snapshot would keep reading the same /dev/urandom stream until its next periodic reseed. */
+            if (ioctl(fd, RNDRESEEDCRNG) < 0) {
+                send_err(errno, "reseeding the kernel's random number generator failed: %s", strerror(errno));
+                close(fd);
+                return;
+            }
+            close(fd);
+        }
+    }
+    send_ok(NULL, 0);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Main                                                                      */
 
@@ -1270,8 +1325,282 @@ static void handle(int fd) {
     case 'U':
         do_remove(req, n);
         break;
+    case 'I':
+        do_identity(req, n);
+        break;
     default:
         send_err(EINVAL, "unknown request type 0x%02x", (unsigned char)type);
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Serial mode (VMs): one virtio-serial stream carries many connections.     */
+/*                                                                           */
+/* Mux frames both ways: u32 channel, u8 op, u32 length, payload.  Ops: 'O'  */
+/* open (host -> guest), 'D' data, 'C' close, 'R' reset (host, first frame   */
+/* of every connection: earlier channels are stale).  Each channel becomes a */
+/* socketpair whose far end is served by an ordinary forked handler, so the  */
+/* request protocol is byte for byte the one containers speak.  While the    */
+/* host is away (restore, pause, node restart) the agent waits for it.       */
+
+#define MUX_HDR 9
+#define MUX_BUFFER_HIGH (64u << 20)
+
+struct chan {
+    uint32_t id;
+    int fd;
+    unsigned char *out;
+    size_t len, cap;
+};
+
+static struct chan *chans = NULL;
+static size_t nchans = 0, chans_cap = 0;
+static size_t mux_buffered = 0;
+
+static void mux_write_all(int fd, const void *data, size_t len) {
+    const unsigned char *p = data;
+    while (len > 0) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return; /* host went away: poll will report the hangup */
+        }
+        p += n;
+        len -= (size_t)n;
+    }
+}
+
+static void mux_send(int serial, uint32_t ch, char op, const void *data, size_t len) {
+    unsigned char hdr[MUX_HDR];
+    put_u32(hdr, ch);
+    hdr[4] = (unsigned char)op;
+    put_u32(hdr + 5, (uint32_t)len);
+    if (len == 0) {
+        mux_write_all(serial, hdr, MUX_HDR);
+        return;
+    }
+    unsigned char *frame = malloc(MUX_HDR + len);
+    if (!frame)
+        return;
+    memcpy(frame, hdr, MUX_HDR);
+    memcpy(frame + MUX_HDR, data, len);
+    mux_write_all(serial, frame, MUX_HDR + len);
+    free(frame);
+}
+
+static struct chan *chan_find(uint32_t id) {
+    for (size_t i = 0; i < nchans; i++)
+        if (chans[i].id == id)
+            return &chans[i];
+    return NULL;
+}
+
+static void chan_drop(size_t i) {
+    close(chans[i].fd);
+    mux_buffered -= chans[i].len;
+    free(chans[i].out);
+    chans[i] = chans[--nchans];
+}
+
+static void chan_open(int serial, uint32_t id) {
+    int sv[2];
+    if (chan_find(id) || socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) {
+        mux_send(serial, id, 'C', NULL, 0);
+        return;
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof(sa));
+        sa.sa_handler = SIG_DFL;
+        sigaction(SIGCHLD, &sa, NULL);
+        sigaction(SIGTERM, &sa, NULL);
+        sigaction(SIGINT, &sa, NULL);
+        close(serial);
+        close(sv[0]);
+        for (size_t i = 0; i < nchans; i++)
+            close(chans[i].fd);
+        handle(sv[1]);
+        _exit(0);
+    }
+    close(sv[1]);
+    if (pid < 0) {
+        close(sv[0]);
+        mux_send(serial, id, 'C', NULL, 0);
+        return;
+    }
+    if (nchans == chans_cap) {
+        size_t ncap = chans_cap ? chans_cap * 2 : 64;
+        struct chan *nc = realloc(chans, ncap * sizeof(*nc));
+        if (!nc) {
+            close(sv[0]);
+            mux_send(serial, id, 'C', NULL, 0);
+            return;
+        }
+        chans = nc;
+        chans_cap = ncap;
+    }
+    set_nonblock(sv[0]);
+    chans[nchans++] = (struct chan){id, sv[0], NULL, 0, 0};
+}
+
+static void chan_flush(size_t i) {
+    struct chan *c = &chans[i];
+    while (c->len > 0) {
+        ssize_t n = send(c->fd, c->out, c->len, MSG_NOSIGNAL);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) { /* handler gone: drop what it will never read */
+                mux_buffered -= c->len;
+                c->len = 0;
+            }
+            return;
+        }
+        memmove(c->out, c->out + n, c->len - (size_t)n);
+        c->len -= (size_t)n;
+        mux_buffered -= (size_t)n;
+    }
+}
+
+static void chan_queue(size_t i, const unsigned char *data, size_t len) {
+    struct chan *c = &chans[i];
+    if (c->cap - c->len < len) {
+        size_t ncap = c->len + len + (64u << 10);
+        unsigned char *nb = realloc(c->out, ncap);
+        if (!nb)
+            return;
+        c->out = nb;
+        c->cap = ncap;
+    }
+    memcpy(c->out + c->len, data, len);
+    c->len += len;
+    mux_buffered += len;
+    chan_flush(i);
+}
+
+/* The host's first frame on every connection: channel 0, op 'R', 16-byte marker. */
+static const unsigned char mux_reset[MUX_HDR + 16] = {0, 0, 0, 0, 'R', 0, 0, 0, 16, 'S', 'H', 'O', 'A', 'L', '-',
+                                                      'M', 'U', 'X', '-', 'R', 'E', 'S', 'E', 'T', '1'};
+
+static void serial_mux(const char *path) {
+    int resync = 0;
+    int serial = open(path, O_RDWR | O_CLOEXEC);
+    if (serial < 0) {
+        fprintf(stderr, "shoal-agent: open %s: %s\n", path, strerror(errno));
+        _exit(1);
+    }
+    size_t icap_s = 1u << 20, ilen_s = 0;
+    unsigned char *in = malloc(icap_s);
+    unsigned char *rbuf = malloc(PIPE_CHUNK);
+    struct pollfd *pfds = NULL;
+    size_t pcap = 0;
+    if (!in || !rbuf)
+        _exit(1);
+    for (;;) {
+        if (pcap < nchans + 1) {
+            pcap = (nchans + 1) * 2;
+            pfds = realloc(pfds, pcap * sizeof(*pfds));
+            if (!pfds)
+                _exit(1);
+        }
+        pfds[0].fd = serial;
+        pfds[0].events = mux_buffered < MUX_BUFFER_HIGH ? POLLIN : 0;
+        pfds[0].revents = 0;
+        for (size_t i = 0; i < nchans; i++) {
+            pfds[i + 1].fd = chans[i].fd;
+            pfds[i + 1].events = (short)(POLLIN | (chans[i].len ? POLLOUT : 0));
+            pfds[i + 1].revents = 0;
+        }
+        size_t polled = nchans;
+        if (poll(pfds, polled + 1, -1) < 0)
+            continue;
+        if (pfds[0].revents & POLLIN) {
+            if (icap_s - ilen_s < 65536) {
+                unsigned char *nb = realloc(in, icap_s * 2);
+                if (!nb)
+                    _exit(1);
+                in = nb;
+                icap_s *= 2;
+            }
+            ssize_t n = read(serial, in + ilen_s, icap_s - ilen_s);
+            if (n > 0) {
+                ilen_s += (size_t)n;
+                size_t pos = 0;
+                if (resync) {
+                    unsigned char *m = memmem(in, ilen_s, mux_reset, sizeof(mux_reset));
+                    if (m == NULL) { /* keep a possible prefix of the marker, drop the rest */
+                        size_t keep = ilen_s < sizeof(mux_reset) ? ilen_s : sizeof(mux_reset) - 1;
+                        memmove(in, in + ilen_s - keep, keep);
+                        ilen_s = keep;
+                        continue;
+                    }
+                    pos = (size_t)(m - in);
+                    resync = 0;
+                }
+                while (ilen_s - pos >= MUX_HDR) {
+                    uint32_t ch = rd_u32(in + pos), len = rd_u32(in + pos + 5);
+                    char op = (char)in[pos + 4];
+                    if (ilen_s - pos < MUX_HDR + (size_t)len)
+                        break;
+                    const unsigned char *data = in + pos + MUX_HDR;
+                    pos += MUX_HDR + (size_t)len;
+                    if (op == 'O') {
+                        chan_open(serial, ch);
+                        continue;
+                    }
+                    if (op == 'R') { /* a new host connection: channels of earlier ones are stale */
+                        while (nchans > 0)
+                            chan_drop(nchans - 1);
+                        continue;
+                    }
+                    struct chan *c = chan_find(ch);
+                    if (!c)
+                        continue;
+                    size_t idx = (size_t)(c - chans);
+                    if (op == 'D')
+                        chan_queue(idx, data, len);
+                    else if (op == 'C')
+                        chan_drop(idx);
+                }
+                memmove(in, in + pos, ilen_s - pos);
+                ilen_s -= pos;
+            } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+                pfds[0].revents |= POLLHUP;
+            }
+        }
+        if ((pfds[0].revents & (POLLHUP | POLLERR)) && !(pfds[0].revents & POLLIN)) {
+            /* No host (not yet, or any more). Channels stay until the host's 'R' says they are stale: a
+               hangup can be reported late, after data of the next connection (separate virtqueues). A
+               frame cut off by the hangup is skipped by resynchronising on the next 'R'. */
+            if (ilen_s > 0)
+                resync = 1;
+            usleep(20000);
+            continue;
+        }
+        /* Channels: the array may have changed above, so match poll results by fd. */
+        for (size_t k = 0; k < polled; k++) {
+            short rev = pfds[k + 1].revents;
+            if (!rev)
+                continue;
+            size_t i;
+            for (i = 0; i < nchans && chans[i].fd != pfds[k + 1].fd; i++) {
+            }
+            if (i == nchans)
+                continue;
+            if (rev & POLLOUT)
+                chan_flush(i);
+            if (rev & (POLLIN | POLLHUP | POLLERR)) {
+                ssize_t n = read(chans[i].fd, rbuf, PIPE_CHUNK);
+                if (n > 0) {
+                    mux_send(serial, chans[i].id, 'D', rbuf, (size_t)n);
+                } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+                    mux_send(serial, chans[i].id, 'C', NULL, 0);
+                    chan_drop(i);
+                }
+            }
+        }
     }
 }
 
@@ -1313,6 +1642,7 @@ static int listen_on_path(const char *path) {
 
 int main(int argc, char **argv) {
     int lfd = 3;
+    const char *serial = NULL;
     if (argc == 3 && strcmp(argv[1], "--fd") == 0) {
         lfd = atoi(argv[2]);
     } else if (argc == 3 && strcmp(argv[1], "--listen") == 0) {
@@ -1320,11 +1650,13 @@ int main(int argc, char **argv) {
         lfd = listen_on_path(argv[2]);
         if (lfd < 0)
             return 1;
+    } else if (argc == 3 && strcmp(argv[1], "--serial") == 0) {
+        serial = argv[2];
     } else if (argc == 2 && strcmp(argv[1], "--version") == 0) {
         puts(AGENT_VERSION);
         return 0;
     } else if (argc != 1) {
-        fprintf(stderr, "usage: shoal-agent [--fd N | --listen PATH]\n");
+        fprintf(stderr, "usage: shoal-agent [--fd N | --listen PATH | --serial /dev/vportNpM]\n");
         return 2;
     }
     /* Make sure fds 0-2 exist so pipes never land there. */
@@ -1332,12 +1664,15 @@ int main(int argc, char **argv) {
         if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
             return 1;
     }
-    int fl = fcntl(lfd, F_GETFL);
-    if (lfd < 3 || fl < 0 || fcntl(lfd, F_SETFD, FD_CLOEXEC) < 0) {
+    int fl = serial ? 0 : fcntl(lfd, F_GETFL);
+    if (serial) {
+        /* handled below, once signals are set up */
+    } else if (lfd < 3 || fl < 0 || fcntl(lfd, F_SETFD, FD_CLOEXEC) < 0) {
         fprintf(stderr, "shoal-agent: fd %d is not a usable listening socket\n", lfd);
         return 1;
     }
-    fcntl(lfd, F_SETFL, fl & ~O_NONBLOCK);
+    if (!serial)
+        fcntl(lfd, F_SETFL, fl & ~O_NONBLOCK);
 
     struct sigaction sa;
     memset(&sa, 0, sizeof(sa));
@@ -1360,6 +1695,8 @@ int main(int argc, char **argv) {
        needs CAP_SYS_PTRACE, which sandboxes lack). Commands become dumpable again when they exec. */
     prctl(PR_SET_DUMPABLE, 0);
     agent_pid = getpid();
+    if (serial)
+        serial_mux(serial);
 
     for (;;) {
         int c = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);

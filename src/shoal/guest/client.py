@@ -234,6 +234,11 @@ class AgentClient:
         finally:
             await conn.close()
 
+    async def identity(self, hostname: str, machine_id: str, seed: bytes, realtime_ns: int) -> None:
+        """Give a restored VM its own identity: hostname, machine id, entropy (≤512 bytes), wall clock."""
+        payload = hostname.encode() + b"\0" + machine_id.encode() + b"\0" + struct.pack(">Q", realtime_ns) + seed
+        await self._simple(b"I", payload)
+
     async def hello(self) -> tuple[int, str]:
         """Return (agent pid, agent version)."""
         payload = await self._simple(b"H", b"")

@@ -77,8 +77,12 @@ class Lifecycle:
                 return {"id": sandbox.id, "state": "paused", "reclaimed_bytes": 0, "seconds": 0.0}
             start = time.monotonic()
             before = memory_usage(sandbox.instance.cgroup_path)
-            await self.service.substrates[sandbox.spec.kind].pause(sandbox.instance)
-            sandbox.state = State.PAUSED
+            sandbox.state = State.PAUSED  # first: a request the pause cuts off (a VM's) must not mark it lost
+            try:
+                await self.service.substrates[sandbox.spec.kind].pause(sandbox.instance)
+            except BaseException:
+                sandbox.state = State.READY
+                raise
             await asyncio.to_thread(reclaim_memory, sandbox.instance.cgroup_path)
             after = memory_usage(sandbox.instance.cgroup_path)
             self.service.persist(sandbox)

@@ -39,6 +39,7 @@ class Sandbox:
     inflight: dict[int, asyncio.Future] = field(default_factory=dict)  # steps running now, by seq
     last_active: float = field(default_factory=time.time)  # for idle_timeout_s
     busy: int = 0  # requests in progress (an idle timer does not run while a command does)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises pause, resume and snapshot
 
     @property
     def env(self) -> dict[str, str]:

@@ -34,6 +34,7 @@ OPS = [
     "set_network",
     "fn_call", "fn_run_code",
     "attach", "pause", "resume", "pause_all", "resume_all", "log_steps", "replay",
+    "vm_snapshot", "vm_snapshot_delete", "fork",
 ]  # fmt: skip
 
 

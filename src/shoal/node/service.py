@@ -7,6 +7,7 @@ import collections
 import contextlib
 import errno
 import functools
+import json
 import logging
 import os
 import secrets
@@ -26,6 +27,7 @@ from shoal.errors import (
     SandboxClosedError,
     SandboxLostError,
     SandboxNotFoundError,
+    ShoalError,
     UnsupportedKindError,
 )
 from shoal.guest import AgentClient, AgentError
@@ -38,10 +40,11 @@ from shoal.node.pools import WarmPools
 from shoal.node.sandbox import Sandbox, State
 from shoal.node.shell import ShellSession
 from shoal.node.trajectory import Recorder, TrajectoryLog
-from shoal.protocol import KINDS, ExecRequest, ExecResult, FileEntry, OutputChunk, SandboxInfo, SandboxSpec
+from shoal.protocol import KINDS, ErrorInfo, ExecRequest, ExecResult, FileEntry, OutputChunk, SandboxInfo, SandboxSpec
 from shoal.substrates import Substrate
 from shoal.substrates.container import ContainerSubstrate
 from shoal.substrates.function import FunctionService
+from shoal.substrates.qemu.substrate import QemuSubstrate
 
 log = logging.getLogger("shoal.node")
 
@@ -61,6 +64,12 @@ class NodeService:
         self.substrates: dict[str, Substrate] = {
             "container": ContainerSubstrate(paths.sandboxes, paths.runtime_root, settings.cgroup_parent),
         }
+        if shutil.which(os.environ.get("SHOAL_QEMU", "qemu-system-x86_64")) and shutil.which("qemu-img"):
+            from shoal.substrates.microvm import MicrovmSubstrate
+            from shoal.substrates.vm import VmSubstrate
+
+            for cls in (MicrovmSubstrate, VmSubstrate):
+                self.substrates[cls.kind] = cls(paths.home, paths.sandboxes)
         self.sandboxes: dict[str, Sandbox] = {}
         self.shells: dict[str, ShellSession] = {}
         self.closed: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -106,6 +115,8 @@ class NodeService:
         self.trajectory.close()
         await asyncio.to_thread(self.node_images.mounts.release_all)
         await self.network.cleanup_all()
+        for substrate in self._vm_substrates():
+            substrate.delete_all_snapshots()
         for parent in cgroups.sandbox_dirs(f"/{self.settings.cgroup_parent}"):
             with contextlib.suppress(OSError):  # still holds a sandbox's cgroup: keep it
                 parent.rmdir()
@@ -133,7 +144,7 @@ class NodeService:
                     self.sandboxes[sandbox.id] = sandbox
                     self.adopted.append(sandbox.id)
                     continue
-                await container.destroy_orphan(directory)
+                await self._substrate_of(directory).destroy_orphan(directory)
                 removed.append(directory.name)
                 self.lost[directory.name] = reason
                 self._remember_closed(directory.name, reason)
@@ -151,9 +162,22 @@ class NodeService:
                     await asyncio.to_thread(cgroups.remove, f"/{self.settings.cgroup_parent}/{child.name}")
         if self.adopted:
             log.info("re-adopted %d sandboxes of an earlier node: %s", len(self.adopted), self.adopted)
+        for substrate in self._vm_substrates():
+            await asyncio.to_thread(substrate.reconcile)
         if removed:
             log.info("removed %d sandboxes of an earlier node that could not be adopted: %s", len(removed), removed)
         return removed
+
+    def _substrate_of(self, directory: Path) -> Substrate:
+        """The substrate that made a sandbox directory, from its record (containers if unreadable)."""
+        try:
+            kind = json.loads((directory / "record.json").read_text()).get("kind", "container")
+        except (OSError, ValueError):
+            kind = "container"
+        return self.substrates.get(kind) or self.substrates["container"]
+
+    def _vm_substrates(self) -> list[QemuSubstrate]:
+        return [s for s in self.substrates.values() if isinstance(s, QemuSubstrate)]
 
     # ---------------------------------------------------------------- sandboxes
 
@@ -188,7 +212,7 @@ class NodeService:
 
     async def _create(self, spec: SandboxSpec) -> SandboxInfo:
         now = time.time()
-        sandbox = self.pools.take(spec) if spec.pool else None
+        sandbox = self.pools.take(spec) if spec.pool and not spec.snapshot else None
         if sandbox is None:
             if len(self.sandboxes) + self._creating >= self.settings.max_sandboxes:
                 raise CapacityError(
@@ -261,6 +285,13 @@ class NodeService:
             raise InvalidRequestError(f"idle_timeout_s={spec.idle_timeout_s} must be positive (or None)")
         if spec.on_timeout not in ON_TIMEOUT:
             raise InvalidRequestError(f"on_timeout={spec.on_timeout!r}: choose one of {', '.join(ON_TIMEOUT)}")
+        if spec.snapshot is not None:
+            substrate = self.substrates[spec.kind]
+            if not isinstance(substrate, QemuSubstrate):
+                raise InvalidRequestError(f"snapshot= restores microvm/vm snapshots; kind {spec.kind!r} has none")
+            meta = substrate.snapshot_meta(spec.snapshot)
+            if meta["kind"] != spec.kind:
+                raise InvalidRequestError(f"snapshot {spec.snapshot} is of a {meta['kind']}, not a {spec.kind}")
         for path in [spec.workdir or "/", *spec.files]:
             if not path.startswith("/"):
                 raise InvalidRequestError(f"path {path!r} must be absolute")
@@ -280,15 +311,22 @@ class NodeService:
 
     async def _make(self, spec: SandboxSpec, image: Image | None = None) -> Sandbox:
         """Cold-create a sandbox with no late-bound fields applied."""
+        substrate = self.substrates[spec.kind]
+        if spec.snapshot is not None:
+            assert isinstance(substrate, QemuSubstrate)
+            spec = msgspec.structs.replace(spec, image=substrate.snapshot_meta(spec.snapshot)["image"])
+            image = None
         if image is None:
             image = await self.node_images.resolve(spec.image, spec.layers)
         sandbox_id = f"{self.settings.node_id}-{secrets.token_hex(6)}"
-        substrate = self.substrates[spec.kind]
         self._creating += 1
         try:
             image = await self.node_images.acquire(image)
             try:
-                instance = await substrate.create(sandbox_id, spec, image)
+                if isinstance(substrate, QemuSubstrate):
+                    instance = await substrate.create(sandbox_id, spec, image, snapshot=spec.snapshot)
+                else:
+                    instance = await substrate.create(sandbox_id, spec, image)
                 agent = AgentClient(str(instance.agent_socket))
                 try:
                     await asyncio.wait_for(agent.hello(), 10)
@@ -499,13 +537,21 @@ class NodeService:
         await asyncio.shield(asyncio.gather(*(self.lifecycle.resume(s) for s in chosen)))
         return len(chosen)
 
-    async def _lost(self, sandbox: Sandbox, exc: BaseException) -> SandboxLostError | SandboxClosedError:
+    async def _lost(self, sandbox: Sandbox, exc: BaseException) -> ShoalError:
         """The agent stopped answering: mark the sandbox lost, free its resources, say why."""
+        if sandbox.state is State.PAUSED:  # a pause cut this request's connection; the sandbox is fine
+            return ShoalError(
+                f"sandbox {sandbox.id} was paused during this request: its processes keep their state and run "
+                "on after resume, but this request's connection is gone"
+            )
         if sandbox.state is State.CLOSED:  # it was closed under a running request: that is why
             return SandboxClosedError(f"sandbox {sandbox.id} was closed ({self.closed.get(sandbox.id, 'closed')})")
         reason = f"its agent stopped answering ({exc.__class__.__name__}: {exc})"
         if cgroups.oom_kills(sandbox.instance.cgroup_path):
             reason += "; the kernel's OOM killer fired in it: raise memory_mb"
+        substrate = self.substrates[sandbox.spec.kind]
+        if isinstance(substrate, QemuSubstrate):
+            reason += f"; {substrate.console_tail(sandbox.instance)}"
         sandbox.state = State.LOST
         sandbox.lost_reason = reason
         self.lifecycle.forget(sandbox.id)
@@ -642,7 +688,7 @@ class NodeService:
     # ---------------------------------------------------------------- files
 
     async def _agent_call(self, sandbox_id: str, op: str, *args: Any, **kwargs: Any) -> Any:
-        sandbox = self._get(sandbox_id)
+        sandbox = await self._awake(self._get(sandbox_id))
         try:
             return await getattr(sandbox.agent, op)(*args, **kwargs)
         except AgentError:
@@ -778,6 +824,48 @@ class NodeService:
         if shell is not None:
             await shell.close()
 
+    # ---------------------------------------------------------------- pause, resume, snapshots, fork
+
+    async def _awake(self, sandbox: Sandbox) -> Sandbox:
+        """Any request to a paused sandbox resumes it first."""
+        await self.lifecycle.awake(sandbox)
+        return sandbox
+
+    def _snapshotter(self, sandbox: Sandbox) -> QemuSubstrate:
+        substrate = self.substrates[sandbox.spec.kind]
+        if not isinstance(substrate, QemuSubstrate):
+            raise InvalidRequestError(f"{sandbox.spec.kind} sandboxes have no memory snapshots; use microvm or vm")
+        return substrate
+
+    async def vm_snapshot(self, sandbox_id: str) -> str:
+        """Capture memory and disk of a running VM; `create(kind, snapshot=id)` restores it."""
+        sandbox = await self._awake(self._get(sandbox_id))
+        substrate = self._snapshotter(sandbox)
+        async with sandbox.lock:
+            return await substrate.snapshot(sandbox.instance, sandbox.spec.image)
+
+    async def vm_snapshot_delete(self, snapshot_id: str) -> None:
+        for substrate in self._vm_substrates():
+            substrate.delete_snapshot(snapshot_id)
+
+    async def fork(self, sandbox_id: str, count: int = 1) -> list[Any]:
+        """`count` running copies of a VM (memory and disk); each slot is a SandboxInfo or an ErrorInfo."""
+        if not 1 <= count <= 256:
+            raise InvalidRequestError(f"count={count}: fork makes between 1 and 256 copies")
+        sandbox = self._get(sandbox_id)
+        snapshot_id = await self.vm_snapshot(sandbox_id)
+        try:
+            spec = msgspec.structs.replace(sandbox.spec, snapshot=snapshot_id, pool=False)
+            results = await asyncio.gather(*(self.create(spec) for _ in range(count)), return_exceptions=True)
+        finally:
+            await self.vm_snapshot_delete(snapshot_id)
+        out: list[Any] = []
+        for item in results:
+            if isinstance(item, BaseException) and not isinstance(item, Exception):
+                raise item
+            out.append(ErrorInfo(type=type(item).__name__, message=str(item)) if isinstance(item, Exception) else item)
+        return out
+
     # ---------------------------------------------------------------- pools, images, status
 
     async def pool_set(self, spec: SandboxSpec, size: int, wait: bool = False) -> dict[str, Any]:
@@ -877,6 +965,11 @@ class NodeService:
     async def sandbox_snapshot(self, sandbox_id: str, name: str, seq: int | None = None) -> dict[str, Any]:
         """Commit the sandbox's writes as a new image `name` (its image plus one layer); a logged step."""
         sandbox = self._get(sandbox_id)
+        if isinstance(self.substrates[sandbox.spec.kind], QemuSubstrate):
+            raise InvalidRequestError(
+                f"image commits are for containers; a {sandbox.spec.kind} snapshot (memory + disk) is made with "
+                "sb.snapshot() and restored with create(kind, snapshot=id)"
+            )
         run = functools.partial(self.node_images.snapshot, self, sandbox, name)
         return await self._step(sandbox, "sandbox_snapshot", {"name": name}, seq, run)
 

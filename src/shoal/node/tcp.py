@@ -27,6 +27,7 @@ PROJECT_OPS = {
     "hello", "create", "get", "list", "kill", "close_all", "keepalive", "exec", "file_write", "file_read",
     "file_list", "file_stat", "file_mkdir", "file_remove", "shell_open", "shell_run", "shell_close",
     "image_list", "status", "image_ls", "image_inspect", "sandbox_snapshot", "set_network", "fn_call", "fn_run_code",
+    "pause", "resume", "vm_snapshot", "vm_snapshot_delete", "fork",
 }  # fmt: skip
 
 

@@ -1,0 +1,140 @@
+"""The host half of the VM agent channel: many agent connections muxed over one virtio-serial stream.
+
+The node listens on `sandboxes/<id>/agent.sock` exactly as for containers; each accepted connection
+becomes a channel on QEMU's chardev socket (frames: u32 channel, u8 op, u32 length, payload; ops 'O'
+open, 'D' data, 'C' close, and 'R' reset, the first frame of every chardev connection, after which the
+guest drops older channels). The guest agent (`shoal-agent --serial`) serves each channel with its usual
+per-connection handler, so `AgentClient` works unchanged. The chardev side can be swapped (restore,
+resume) with `attach()`; connections open at that moment are closed, as the guest drops them too.
+The guest is untrusted: frame lengths are bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import struct
+from pathlib import Path
+
+_HDR = struct.Struct(">IBI")
+_CHUNK = 1 << 16
+_RESET = _HDR.pack(0, ord("R"), 16) + b"SHOAL-MUX-RESET1"
+_MAX_FRAME = 1 << 20  # the agent sends at most 64 KiB per frame
+
+
+class AgentBridge:
+    """Listens on `listen_path`; forwards each connection as a channel over the chardev at `serial_path`."""
+
+    def __init__(self, listen_path: Path) -> None:
+        self.listen_path = listen_path
+        self._server: asyncio.AbstractServer | None = None
+        self._serial_writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._channels: dict[int, asyncio.StreamWriter] = {}
+        self._ids = itertools.count(1)
+        self._connected = asyncio.Event()
+        self._dead = False
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.listen_path), backlog=256)
+
+    async def attach(self, serial_path: Path, timeout: float = 10.0) -> None:
+        """Connect to QEMU's chardev socket (waiting for QEMU to create it), replacing any earlier one."""
+        await self.detach()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(str(serial_path), limit=1 << 20)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.01)
+        writer.write(_RESET)  # the guest drops channels of earlier connections and resynchronises here
+        self._serial_writer = writer
+        self._dead = False
+        self._reader_task = asyncio.create_task(self._pump_serial(reader))
+        self._connected.set()
+
+    async def detach(self) -> None:
+        """Drop the chardev connection and every open channel."""
+        self._connected.clear()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reader_task
+            self._reader_task = None
+        if self._serial_writer is not None:
+            self._serial_writer.close()
+            self._serial_writer = None
+        for writer in self._channels.values():
+            writer.close()
+        self._channels.clear()
+
+    async def close(self) -> None:
+        await self.detach()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for task in list(self._tasks):
+            task.cancel()
+        with contextlib.suppress(FileNotFoundError):
+            self.listen_path.unlink()
+
+    def _send(self, channel: int, op: bytes, data: bytes = b"") -> None:
+        if self._serial_writer is not None:
+            self._serial_writer.write(_HDR.pack(channel, op[0], len(data)) + data)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        channel = next(self._ids)
+        try:
+            if self._dead:  # QEMU is gone: fail fast so the node marks the sandbox lost
+                return
+            if not self._connected.is_set():
+                await asyncio.wait_for(self._connected.wait(), 30)
+            serial = self._serial_writer
+            self._channels[channel] = writer
+            self._send(channel, b"O")
+            while True:
+                data = await reader.read(_CHUNK)
+                if self._serial_writer is not serial:  # the VM was restored or paused under us
+                    break
+                if not data:
+                    self._send(channel, b"C")
+                    break
+                self._send(channel, b"D", data)
+                await serial.drain()
+        except (TimeoutError, ConnectionError, OSError):
+            pass
+        finally:
+            self._tasks.discard(task)
+            if self._channels.pop(channel, None) is not None or not writer.is_closing():
+                writer.close()
+
+    async def _pump_serial(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                header = await reader.readexactly(_HDR.size)
+                channel, op, length = _HDR.unpack(header)
+                if length > _MAX_FRAME:  # the guest is not trusted: a bogus length must not make us buffer GBs
+                    raise ConnectionError(f"guest sent a {length}-byte mux frame (max {_MAX_FRAME})")
+                data = await reader.readexactly(length) if length else b""
+                writer = self._channels.get(channel)
+                if writer is None:
+                    continue
+                if op == ord("D"):
+                    writer.write(data)
+                elif op == ord("C"):
+                    self._channels.pop(channel, None)
+                    writer.close()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self._dead = True
+            for writer in self._channels.values():
+                writer.close()
+            self._channels.clear()

@@ -1,0 +1,359 @@
+"""QEMU-backed substrates (`microvm`, `vm`): boot, template fast path, snapshot, restore, pause, resume.
+
+Per sandbox, under its state directory:
+    record.json   written first, so a crashed node can find and remove everything below
+    base.qcow2    hard link to the snapshot disk it was restored from (so deleting that snapshot is safe)
+    disk.qcow2    the VM's private writes, a thin overlay on base.qcow2 (or on the image's base disk)
+    agent.sock    the node-side bridge socket: the same agent protocol as containers
+    serial.sock qmp.sock console.log qemu.log qemu.pid   see machine.py
+    paused.mem    memory and device state while paused
+
+A snapshot (`<home>/vm-snapshots/<id>/`) is `memory` + `disk.qcow2` (standalone over the image's base
+disk) + `meta.json` (the machine config a restore must reuse). Templates are snapshots taken once per
+(kind, image, cpus, memory) right after the agent first answers; creates restore them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import secrets
+import shutil
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from shoal.errors import ImageError, InvalidRequestError, NotFoundError, SandboxLostError
+from shoal.guest import AgentClient
+from shoal.images import Image
+from shoal.protocol import SandboxSpec
+from shoal.substrates.base import Instance, Substrate
+from shoal.substrates.qemu import accel as accel_mod
+from shoal.substrates.qemu.bridge import AgentBridge
+from shoal.substrates.qemu.disk import base_disk, overlay
+from shoal.substrates.qemu.kernel import cache_dir, ensure_boot_files
+from shoal.substrates.qemu.machine import Machine, MachineConfig, kill_recorded
+
+log = logging.getLogger("shoal.vm")
+
+
+@dataclass
+class Running:
+    machine: Machine
+    bridge: AgentBridge
+
+
+class QemuSubstrate(Substrate):
+    """Shared machinery; subclasses choose the machine type, kernel command line and base disk."""
+
+    machine_type = "q35"
+    default_memory_mb = 256
+    boot_mode = "microvm"
+
+    def __init__(self, home: Path, sandboxes_dir: Path, cache: Path | None = None) -> None:
+        self.home = home
+        self.sandboxes_dir = sandboxes_dir
+        self.cache = cache or cache_dir()
+        self.templates_dir = home / "vm-templates"
+        self.snapshots_dir = home / "vm-snapshots"
+        self.use_templates = os.environ.get("SHOAL_VM_TEMPLATES", "1") != "0"
+        self.shared_memory = os.environ.get("SHOAL_VM_SHARED_MEMORY", "1") != "0"
+        self.boot_timeout_s = float(os.environ.get("SHOAL_VM_BOOT_TIMEOUT", "120"))
+        self._accel: accel_mod.Accel | None = None
+        self._running: dict[str, Running] = {}
+        self._template_locks: dict[str, asyncio.Lock] = {}
+
+    # ------------------------------------------------------------ configuration
+
+    async def accel(self) -> accel_mod.Accel:
+        if self._accel is None:
+            self._accel = await asyncio.to_thread(accel_mod.detect, self.cache)
+        return self._accel
+
+    async def base_disk(self, image: Image) -> Path:
+        """The shared read-only disk this kind boots `image` from (built once per host)."""
+        return await asyncio.to_thread(base_disk, image, self.cache)
+
+    async def _config(self, spec: SandboxSpec) -> MachineConfig:
+        accel = await self.accel()
+        boot = await asyncio.to_thread(ensure_boot_files, self.cache)
+        cpus = max(1, math.ceil(spec.cpu)) if spec.cpu else 1
+        memory = spec.memory_mb or self.default_memory_mb
+        if memory < 64:
+            raise InvalidRequestError(f"memory_mb={memory}: a {self.kind} needs at least 64 MB")
+        machine = self.machine_for(accel.name)
+        cmdline = f"console=ttyS0 quiet panic=-1 shoal.mode={self.boot_mode} random.trust_cpu=on"
+        if machine == "microvm" and accel.name == "tcg":  # no PIT/HPET reference: skip TSC calibration
+            cmdline += " tsc_early_khz=1000000 tsc=reliable"
+        return MachineConfig(
+            machine=machine,
+            accel=accel.name,
+            cpus=cpus,
+            memory_mb=memory,
+            kernel=str(boot.kernel),
+            initramfs=str(boot.initramfs),
+            cmdline=cmdline,
+        )
+
+    def machine_for(self, accel: str) -> str:
+        """The QEMU machine type; SHOAL_<KIND>_MACHINE=q35|microvm overrides."""
+        return os.environ.get(f"SHOAL_{self.kind.upper()}_MACHINE", self.machine_type)
+
+    # ------------------------------------------------------------ create / destroy
+
+    async def create(self, sandbox_id: str, spec: SandboxSpec, image: Image, snapshot: str | None = None) -> Instance:
+        directory = self.sandboxes_dir / sandbox_id
+        instance = Instance(
+            id=sandbox_id,
+            kind=self.kind,
+            directory=directory,
+            agent_socket=directory / "agent.sock",
+            cgroup_path=f"/shoal-vm/{sandbox_id}",
+        )
+        directory.mkdir(parents=True)
+        (directory / "record.json").write_text(json.dumps({"id": sandbox_id, "kind": self.kind}))
+        try:
+            bridge = AgentBridge(instance.agent_socket)
+            await bridge.start()
+            self._running[sandbox_id] = Running(machine=None, bridge=bridge)  # type: ignore[arg-type]
+            if snapshot is not None:
+                source = self.snapshots_dir / snapshot
+                if not (source / "meta.json").exists():
+                    raise NotFoundError(f"no snapshot {snapshot!r} on this node (deleted, or made by another node)")
+                await self._restore(instance, source)
+            elif self.use_templates:
+                template = await self._template(spec, image)
+                await self._restore(instance, template, shared=True)
+            else:
+                config = await self._config(spec)
+                disk = await self.base_disk(image)
+                await asyncio.to_thread(overlay, directory / "disk.qcow2", disk)
+                await self._boot(directory, config, bridge)
+        except BaseException:
+            await asyncio.shield(self.destroy(instance))
+            raise
+        return instance
+
+    async def _boot(self, directory: Path, config: MachineConfig, bridge: AgentBridge) -> Machine:
+        """Cold boot on `directory/disk.qcow2` until the agent answers; the console tail if it never does."""
+        machine = Machine(directory, config, directory / "disk.qcow2")
+        running = self._running.get(directory.name)
+        if running is not None:
+            running.machine = machine
+        try:
+            await machine.start()
+            await bridge.attach(machine.serial_path)
+            agent = AgentClient(str(bridge.listen_path))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.boot_timeout_s
+            while True:
+                assert machine.exited is not None
+                if machine.exited.done():
+                    raise SandboxLostError(f"the {self.kind} guest stopped during boot: {machine.log_tail()}")
+                try:
+                    await asyncio.wait_for(agent.hello(), 1.0)
+                    return machine
+                except (TimeoutError, ConnectionError, OSError):
+                    pass
+                if loop.time() > deadline:
+                    raise SandboxLostError(
+                        f"the {self.kind} guest did not become ready in {self.boot_timeout_s:g} s "
+                        f"(SHOAL_VM_BOOT_TIMEOUT); console tail: {machine.log_tail()}"
+                    )
+                await asyncio.sleep(0.05)
+        except BaseException:
+            await machine.kill()
+            raise
+
+    async def _restore(self, instance: Instance, source: Path, shared: bool = False) -> None:
+        """Start a copy of snapshot `source`. Templates (`shared`) outlive the node's sandboxes and back
+        their overlays directly; a user snapshot's disk is linked or copied so it can be deleted any time."""
+        meta = json.loads((source / "meta.json").read_text())
+        config = MachineConfig.from_json(meta["config"])
+        directory = instance.directory
+        backing = source / "disk.qcow2"
+        if not shared:
+            backing = directory / "base.qcow2"
+            await asyncio.to_thread(_link_or_copy, source / "disk.qcow2", backing)
+        await asyncio.to_thread(overlay, directory / "disk.qcow2", backing)
+        machine = Machine(directory, config, directory / "disk.qcow2")
+        running = self._running[instance.id]
+        running.machine = machine
+        await machine.start(incoming=source / "memory")
+        await machine.wait_incoming()
+        await running.bridge.attach(machine.serial_path)
+        await self._fresh_identity(instance)
+
+    async def _fresh_identity(self, instance: Instance) -> None:
+        agent = AgentClient(str(instance.agent_socket))
+        hostname = "sb-" + instance.id.rsplit("-", 1)[-1]
+        try:
+            await asyncio.wait_for(
+                agent.identity(hostname, uuid.uuid4().hex, secrets.token_bytes(64), time.time_ns()), 30
+            )
+        except (TimeoutError, ConnectionError, OSError) as exc:
+            machine = self._running[instance.id].machine
+            raise SandboxLostError(f"restored {self.kind} did not answer: {exc}; {machine.log_tail()}") from exc
+
+    async def _template(self, spec: SandboxSpec, image: Image) -> Path:
+        """The snapshot every create of this (kind, image, cpus, memory) restores; booted once."""
+        config = await self._config(spec)
+        disk = await self.base_disk(image)
+        identity = hashlib.sha256(
+            json.dumps([config.to_json(), disk.name, self.shared_memory], sort_keys=True).encode()
+        ).hexdigest()
+        key = f"{self.kind}-{image.name}-{config.cpus}c-{config.memory_mb}m-{config.accel}-{identity[:12]}"
+        target = self.templates_dir / key
+        lock = self._template_locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if (target / "meta.json").exists():
+                return target
+            self.templates_dir.mkdir(parents=True, exist_ok=True)
+            build = self.templates_dir / f".build-{secrets.token_hex(4)}"
+            build.mkdir()
+            bridge = AgentBridge(build / "agent.sock")
+            machine: Machine | None = None
+            try:
+                await bridge.start()
+                await asyncio.to_thread(overlay, build / "disk.qcow2", disk)
+                boot_config = config
+                if self.shared_memory:
+                    boot_config = MachineConfig(**{**config.to_json(), "memory_file": str(build / "ram"),
+                                                   "memory_shared": True})  # fmt: skip
+                    config = MachineConfig(**{**config.to_json(), "memory_file": str(target / "ram")})
+                started = time.monotonic()
+                machine = await self._boot(build, boot_config, bridge)
+                booted = time.monotonic() - started
+                await machine.save(build / "memory")
+                await machine.kill()
+                meta_data = {"config": config.to_json(), "kind": self.kind, "image": image.name, "boot_s": booted}
+                (build / "meta.json").write_text(json.dumps(meta_data))
+                for name in list(os.listdir(build)):
+                    if name not in ("memory", "disk.qcow2", "meta.json", "ram"):
+                        (build / name).unlink(missing_ok=True)
+                os.replace(build, target)
+                log.info("template %s: booted in %.1f s (%s)", key, booted, config.accel)
+            finally:
+                await bridge.close()
+                if machine is not None:
+                    await machine.kill()
+                shutil.rmtree(build, ignore_errors=True)
+        return target
+
+    async def destroy(self, instance: Instance) -> None:
+        running = self._running.pop(instance.id, None)
+        if running is not None:
+            await running.bridge.close()
+            if running.machine is not None:
+                await running.machine.kill()
+        await asyncio.to_thread(_remove_dir, instance.directory)
+
+    async def destroy_orphan(self, directory: Path) -> None:
+        await asyncio.to_thread(_remove_dir, directory)
+
+    # ------------------------------------------------------------ pause / resume / snapshot
+
+    def _machine(self, instance: Instance) -> Running:
+        running = self._running.get(instance.id)
+        if running is None or running.machine is None:
+            raise SandboxLostError(f"{self.kind} {instance.id} has no QEMU process")
+        return running
+
+    async def pause(self, instance: Instance) -> None:
+        """Save memory and device state to disk and stop QEMU: a paused VM holds no RAM."""
+        running = self._machine(instance)
+        await running.machine.save(instance.directory / "paused.mem")
+        await running.bridge.detach()
+        await running.machine.kill()
+
+    async def resume(self, instance: Instance) -> None:
+        running = self._machine(instance)
+        machine = Machine(instance.directory, running.machine.config, instance.directory / "disk.qcow2")
+        running.machine = machine
+        await machine.start(incoming=instance.directory / "paused.mem")
+        await machine.wait_incoming()
+        (instance.directory / "paused.mem").unlink()
+        await running.bridge.attach(machine.serial_path)
+
+    async def snapshot(self, instance: Instance, image_name: str) -> str:
+        """Capture memory and disk of the running VM as a snapshot other creates can restore."""
+        running = self._machine(instance)
+        snap_id = f"snap-{secrets.token_hex(6)}"
+        self.snapshots_dir.mkdir(parents=True, exist_ok=True)
+        build = self.snapshots_dir / f".build-{snap_id}"
+        build.mkdir()
+        try:
+            await running.machine.save(build / "memory")
+            try:
+                await asyncio.to_thread(_flatten, instance.directory / "disk.qcow2", build / "disk.qcow2")
+            finally:
+                await running.machine.qmp("cont")
+            meta = {"config": running.machine.config.to_json(), "kind": self.kind, "image": image_name}
+            (build / "meta.json").write_text(json.dumps(meta))
+            os.replace(build, self.snapshots_dir / snap_id)
+        except BaseException:
+            shutil.rmtree(build, ignore_errors=True)
+            raise
+        return snap_id
+
+    def snapshot_meta(self, snap_id: str) -> dict:
+        try:
+            return json.loads((self.snapshots_dir / snap_id / "meta.json").read_text())
+        except (OSError, ValueError):
+            raise NotFoundError(f"no snapshot {snap_id!r} on this node (deleted, or made by another node)") from None
+
+    def delete_snapshot(self, snap_id: str) -> None:
+        if "/" in snap_id or not snap_id.startswith("snap-"):
+            raise InvalidRequestError(f"{snap_id!r} is not a snapshot id")
+        shutil.rmtree(self.snapshots_dir / snap_id, ignore_errors=True)
+
+    def delete_all_snapshots(self) -> None:
+        """Snapshots live as long as the node that made them (sandboxes keep their own copies)."""
+        shutil.rmtree(self.snapshots_dir, ignore_errors=True)
+
+    def reconcile(self) -> None:
+        """After a node crash: stop template boots it left running and drop them and its snapshots."""
+        for build in [*self.templates_dir.glob(".build-*"), *self.snapshots_dir.glob(".build-*")]:
+            _remove_dir(build)
+        self.delete_all_snapshots()
+
+    def console_tail(self, instance: Instance) -> str:
+        running = self._running.get(instance.id)
+        return running.machine.log_tail() if running and running.machine else ""
+
+
+def _flatten(source: Path, target: Path) -> None:
+    """Copy a VM's disk chain into one qcow2 over the image's base disk (independent of its sandbox)."""
+    info = json.loads(
+        subprocess.run(
+            ["qemu-img", "info", "--backing-chain", "--output=json", "-U", str(source)],
+            capture_output=True, text=True, check=True,
+        ).stdout
+    )  # fmt: skip
+    bottom = info[-1]["filename"]
+    proc = subprocess.run(
+        ["qemu-img", "convert", "-U", "-O", "qcow2", "-B", bottom, "-F", "raw", str(source), str(target)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise ImageError(f"copying the disk of {source.parent.name} failed: {proc.stderr.strip()}")
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError:  # another mount (the node's sandboxes directory is its own bind mount): copy, sparsely
+        subprocess.run(["cp", "--sparse=always", "--reflink=auto", str(source), str(target)], check=True)
+
+
+def _remove_dir(directory: Path) -> None:
+    kill_recorded(directory)
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(directory)
