@@ -99,7 +99,7 @@ def test_pause_frees_the_vm_and_any_request_resumes(client: shoal.Client, node: 
     with client.create("microvm", image="busybox", pool=False) as sb:
         sb.exec("echo 1 > /tmp/counter; sleep 1000 >/dev/null 2>&1 &")
         sb.pause()
-        assert sb.info.state == "paused" and client.get(sb.id).info.state == "paused"
+        assert client.get(sb.id).info.state == "paused"
         assert sb.id not in _qemu_pids(node.home)  # QEMU is gone, memory is on disk
         assert (node.home / "sandboxes" / sb.id / "paused.mem").stat().st_size > 0
         assert sb.exec("cat /tmp/counter; ps | grep -c 'sleep 1000'").stdout.split()[0] == "1"
