@@ -136,6 +136,8 @@ class NodeService:
         for directory in sorted(self.paths.sandboxes.iterdir()) if self.paths.sandboxes.exists() else []:
             if directory.is_dir() and directory.name not in self.sandboxes:
                 try:
+                    if isinstance(self._substrate_of(directory), QemuSubstrate):  # its bridge died with the node
+                        raise recovery.NotAdoptable("VM sandboxes are not re-adopted yet")
                     sandbox = await recovery.adopt(directory, self.node_images)
                 except recovery.NotAdoptable as exc:
                     reason = f"lost: {NODE_RESTARTED}, and could not re-adopt it: {exc}"
