@@ -8,10 +8,15 @@ served concurrently.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import struct
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+
+log = logging.getLogger("shoal.protocol")
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 256 << 20
@@ -170,3 +175,43 @@ async def read_frame(reader) -> bytes | None:  # type: ignore[no-untyped-def]
     if length > MAX_FRAME:
         raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
     return await reader.readexactly(length)
+
+
+async def dispatch_requests(
+    reader: Any,
+    serve: Callable[[Request], Awaitable[None]],
+    *,
+    after_each: Callable[[], Awaitable[None]] | None = None,
+    abandon: Callable[[asyncio.Task], None] | None = None,
+) -> None:
+    """Serve one connection's requests until the peer goes: each runs as its own task, a `cancel` request
+    cancels an earlier one, and on the way out whatever still runs is handed to `abandon`, cancelled and
+    awaited. Shared by the node and the gateway."""
+    tasks: dict[int, asyncio.Task] = {}
+    try:
+        while True:
+            body = await read_frame(reader)
+            if body is None:
+                break
+            request = decode_request(body)
+            if request.op == "cancel":  # the client gave up on an earlier request
+                victim = tasks.get(int(request.args.get("request_id", -1)))
+                if victim is not None:
+                    victim.cancel()
+                continue
+            task = asyncio.create_task(serve(request))
+            tasks[request.id] = task
+            task.add_done_callback(lambda _t, rid=request.id: tasks.pop(rid, None))
+            if after_each is not None:
+                await after_each()
+    except (ConnectionError, asyncio.IncompleteReadError):
+        pass
+    except Exception as exc:
+        log.warning("dropping a connection after a malformed frame: %s", exc)
+    finally:
+        pending = list(tasks.values())
+        for task in pending:
+            if abandon is not None:
+                abandon(task)
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)

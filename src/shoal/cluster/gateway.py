@@ -211,39 +211,22 @@ class Gateway:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
-        tasks: dict[int, asyncio.Task] = {}
         state: dict[str, Identity | None] = {"identity": None}
 
         def send(message: Response) -> None:
             if not writer.is_closing():
                 writer.write(protocol.encode(message))
 
+        async def drain() -> None:
+            if writer.transport.get_write_buffer_size() > 1 << 20:
+                await writer.drain()
+
         try:
-            while True:
-                body = await protocol.read_frame(reader)
-                if body is None:
-                    break
-                request = protocol.decode_request(body)
-                if request.op == "cancel":
-                    victim = tasks.get(int(request.args.get("request_id", -1)))
-                    if victim is not None:
-                        victim.cancel()
-                    continue
-                task = asyncio.create_task(self._serve(request, send, state))
-                tasks[request.id] = task
-                task.add_done_callback(lambda _t, rid=request.id: tasks.pop(rid, None))
-                if writer.transport.get_write_buffer_size() > 1 << 20:
-                    await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        except Exception as exc:
-            log.warning("dropping a connection after a malformed frame: %s", exc)
+            await protocol.dispatch_requests(
+                reader, lambda request: self._serve(request, send, state), after_each=drain
+            )
         finally:
             self.connections -= 1
-            pending = list(tasks.values())
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
             writer.close()
 
     async def _serve(self, request: Request, send: Callable[[Response], None], state: dict[str, Any]) -> None:

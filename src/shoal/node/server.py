@@ -69,7 +69,6 @@ class NodeServer:
         request: `session.serve(request)` answers its own ops (`session.ops`), `session.call(op, args,
         invoke)` checks and rewrites the others around `invoke(args)`."""
         self.connections += 1
-        tasks: dict[int, asyncio.Task] = {}
         lock = asyncio.Lock()
 
         async def send(message: Response) -> None:
@@ -79,30 +78,12 @@ class NodeServer:
                     await writer.drain()
 
         try:
-            while True:
-                body = await protocol.read_frame(reader)
-                if body is None:
-                    break
-                request = protocol.decode_request(body)
-                if request.op == "cancel":  # the client gave up on an earlier request
-                    victim = tasks.get(int(request.args.get("request_id", -1)))
-                    if victim is not None:
-                        victim.cancel()
-                    continue
-                task = asyncio.create_task(self._serve(request, send, session))
-                tasks[request.id] = task
-                task.add_done_callback(lambda _t, rid=request.id: tasks.pop(rid, None))
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        except Exception as exc:
-            log.warning("dropping a connection after a malformed frame: %s", exc)
+            # a step whose client is gone finishes and is logged (detached), then the task is cancelled
+            await protocol.dispatch_requests(
+                reader, lambda request: self._serve(request, send, session), abandon=detached_tasks.add
+            )
         finally:
             self.connections -= 1
-            pending = list(tasks.values())
-            for task in pending:
-                detached_tasks.add(task)  # its client is gone: a logged step it runs finishes and is logged
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
             writer.close()
 
     async def _serve(self, request: Request, send: Callable[[Response], Any], session: Any = None) -> None:
