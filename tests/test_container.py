@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import shoal
+from shoal.protocol import cut_marker
 
 
 def test_exec_basics(sb: shoal.Sandbox) -> None:
@@ -109,11 +110,33 @@ def test_cpu_quota(client: shoal.Client) -> None:
 def test_output_cap(client: shoal.Client) -> None:
     with client.create(image="busybox", pool=False) as sb:
         r = sb.exec("yes | head -c 5000000; echo tail >&2")
-        assert len(r.stdout_bytes) == 1 << 20 and r.truncated and r.stderr == "tail\n"
+        marker = cut_marker(5000000 - (1 << 20))
+        assert len(r.stdout_bytes) == (1 << 20) + len(marker) and r.truncated and r.stderr == "tail\n"
+        assert r.stdout_omitted == 5000000 - (1 << 20) and r.stderr_omitted == 0
         small = sb.exec("yes | head -c 5000", output_cap_bytes=100)
-        assert len(small.stdout_bytes) == 100 and small.truncated
+        assert small.stdout_bytes == b"y\n" * 25 + cut_marker(4900) + b"y\n" * 25 and small.truncated
         flood = sb.exec("yes", timeout=1)
-        assert flood.timed_out and len(flood.stdout_bytes) == 1 << 20
+        assert flood.timed_out and flood.stdout_omitted > 0
+        assert len(flood.stdout_bytes) == (1 << 20) + len(cut_marker(flood.stdout_omitted))
+
+
+def test_output_cap_keeps_the_end(tiny: shoal.Sandbox) -> None:
+    """A long test run's last line (its summary: the reward) survives the cap; the cut is marked."""
+    script = "i=0; while [ $i -lt 3000 ]; do echo line $i; i=$((i+1)); done; echo '== 7 passed, 1 failed =='"
+    for r in (
+        tiny.exec(script, output_cap_bytes=4096),
+        tiny.exec(f"{{ {script}; }} >&2", output_cap_bytes=4096),
+        tiny.exec(script, output_cap_bytes=4096, merge_stderr=True),
+    ):
+        out = r.stdout_bytes or r.stderr_bytes
+        omitted = r.stdout_omitted or r.stderr_omitted
+        assert r.truncated and omitted > 0 and out.startswith(b"line 0\nline 1\n")
+        assert out.endswith(b"== 7 passed, 1 failed ==\n")
+        assert out.count(cut_marker(omitted)) == 1 and len(out) == 4096 + len(cut_marker(omitted))
+    streamed = b"".join(c.data for c in tiny.exec_stream(script, output_cap_bytes=4096))
+    assert streamed.endswith(b"== 7 passed, 1 failed ==\n") and b"bytes omitted by the output cap" in streamed
+    whole = tiny.exec("echo short", output_cap_bytes=4096)  # under the cap: untouched
+    assert whole.stdout == "short\n" and not whole.truncated and whole.stdout_omitted == 0
 
 
 def test_timeout_kills_tree_and_keeps_output(tiny: shoal.Sandbox) -> None:
@@ -144,6 +167,24 @@ def test_streaming(tiny: shoal.Sandbox) -> None:
     got: list[bytes] = []
     tiny.exec("echo cb", on_stdout=got.append)
     assert got == [b"cb\n"]
+
+
+def test_stream_abandoned_or_interleaved_keeps_the_handle(client: shoal.Client, tiny: shoal.Sandbox) -> None:
+    never = tiny.exec_stream("echo never > /never")
+    del never  # made, never read: it must not block later steps
+    assert tiny.exec("echo after").stdout == "after\n"
+    later = tiny.exec_stream("echo streamed")
+    assert tiny.exec("echo between").stdout == "between\n"  # another step before the stream is read
+    assert b"".join(c.data for c in later) == b"streamed\n"
+    assert later.result is not None and later.result.exit_code == 0
+    partial = tiny.exec_stream("echo first; sleep 60; echo never")
+    for chunk in partial:
+        assert chunk.data == b"first\n"
+        break  # stop reading midway: the command is cancelled, the handle stays usable
+    assert tiny.exec("echo next").stdout == "next\n"
+    assert not tiny.files.exists("/never")
+    replayed = client.attach(tiny.id)  # the log holds the steps in the order they ran
+    assert replayed.exec("echo after").stdout == "after\n" and replayed.fast_forwarded == 1
 
 
 def test_persistent_shell(sb: shoal.Sandbox) -> None:

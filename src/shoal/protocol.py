@@ -99,9 +99,19 @@ class ExecResult(msgspec.Struct, kw_only=True):
     stderr: bytes
     duration_s: float
     timed_out: bool = False
-    truncated: bool = False
+    truncated: bool = False  # the output cap cut bytes out of the middle of stdout or stderr
     signal: int = 0
     oom_killed: bool = False
+    stdout_omitted: int = 0  # bytes cut between the kept head and tail (where `cut_marker` stands)
+    stderr_omitted: int = 0
+
+
+def cut_marker(omitted: int) -> bytes:
+    """The line that stands in an over-long output where the cap cut `omitted` bytes between head and tail.
+
+    The cap keeps the start and the end of each stream (a test runner's summary, the reward, comes last).
+    """
+    return f"\n[... shoal: {omitted} bytes omitted by the output cap ...]\n".encode()
 
 
 class OutputChunk(msgspec.Struct, kw_only=True):

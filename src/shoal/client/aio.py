@@ -392,7 +392,12 @@ class ReplayReport:
 
 
 class ExecStream:
-    """`async for chunk in sandbox.exec_stream(...)` yields OutputChunk(stream, data); `.result` after."""
+    """`async for chunk in sandbox.exec_stream(...)` yields OutputChunk(stream, data); `.result` after.
+
+    The command starts (and takes its place in the sandbox's step order) when iteration starts, not when
+    the stream is made: a stream that is never read costs nothing, and steps issued between making and
+    reading it run first. Stopping the iteration early cancels the command on the node.
+    """
 
     def __init__(self, sandbox: AsyncSandbox, args: dict[str, Any]) -> None:
         self._sandbox = sandbox
@@ -401,6 +406,8 @@ class ExecStream:
         self.result: ExecResult | None = None
 
     async def __aiter__(self) -> AsyncIterator[OutputChunk]:
+        if "seq" not in self._args:
+            self._args.update(self._sandbox._next_seq())
         task = asyncio.ensure_future(
             self._sandbox.client.call("exec", {"req": self._args}, on_event=self._queue.put_nowait)
         )
@@ -545,7 +552,6 @@ class AsyncSandbox:
     ) -> ExecStream:
         """Run a command and stream its output as it is printed."""
         args = self._exec_args(cmd, dict(options, timeout=timeout))
-        args.update(self._next_seq())
         args["stream"] = True
         return ExecStream(self, args)
 

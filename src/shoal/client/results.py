@@ -30,9 +30,11 @@ class ExecResult:
     stderr_bytes: bytes
     duration_s: float
     timed_out: bool = False
-    truncated: bool = False
+    truncated: bool = False  # the output cap cut the middle of an output (see `stdout_omitted`)
     signal: int = 0
     oom_killed: bool = False
+    stdout_omitted: int = 0  # bytes of stdout cut between the kept head and tail, where a marker line stands
+    stderr_omitted: int = 0
 
     @classmethod
     def from_wire(cls, raw: dict | WireExecResult) -> ExecResult:
@@ -47,6 +49,8 @@ class ExecResult:
             truncated=raw.truncated,
             signal=raw.signal,
             oom_killed=raw.oom_killed,
+            stdout_omitted=raw.stdout_omitted,
+            stderr_omitted=raw.stderr_omitted,
         )
 
     @property

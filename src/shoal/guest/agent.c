@@ -566,6 +566,57 @@ static int set_nonblock(int fd) {
     return fl < 0 ? -1 : fcntl(fd, F_SETFL, fl | O_NONBLOCK);
 }
 
+/* The last `cap` bytes of one output stream past its head (the head goes out as it is printed): what an
+ * over-long output ends with (a test runner's summary line) survives the output cap.  `dropped` counts
+ * the bytes between head and tail that were cut. */
+struct tail {
+    unsigned char *buf;
+    size_t cap, start, len;
+    uint64_t dropped;
+};
+
+static void tail_put(struct tail *t, const unsigned char *p, size_t n) {
+    if (t->cap == 0 || (!t->buf && !(t->buf = malloc(t->cap)))) {
+        t->cap = 0; /* no memory for a tail: cut everything past the head */
+        t->dropped += n;
+        return;
+    }
+    if (n > t->cap) {
+        t->dropped += n - t->cap;
+        p += n - t->cap;
+        n = t->cap;
+    }
+    size_t over = t->len + n > t->cap ? t->len + n - t->cap : 0; /* <= len since n <= cap */
+    t->start = (t->start + over) % t->cap;
+    t->len -= over;
+    t->dropped += over;
+    size_t end = (t->start + t->len) % t->cap;
+    size_t first = n < t->cap - end ? n : t->cap - end;
+    memcpy(t->buf + end, p, first);
+    memcpy(t->buf, p + first, n - first);
+    t->len += n;
+}
+
+/* Send what the tail holds, after a 'Q' frame (stream, bytes cut) if anything was cut before it. */
+static void tail_send(struct tail *t, int k) {
+    if (t->dropped) {
+        unsigned char q[12];
+        put_u32(q, (uint32_t)k);
+        put_u64(q + 4, t->dropped);
+        send_frame('Q', q, sizeof(q));
+    }
+    while (t->len) {
+        size_t first = t->cap - t->start < t->len ? t->cap - t->start : t->len;
+        if (first > PIPE_CHUNK)
+            first = PIPE_CHUNK;
+        send_frame(k ? 'R' : 'O', t->buf + t->start, first);
+        t->start = (t->start + first) % t->cap;
+        t->len -= first;
+    }
+    free(t->buf);
+    t->buf = NULL;
+}
+
 static void do_exec(const unsigned char *pl, uint32_t plen) {
     struct cur c = {pl, plen, 0};
     uint32_t cap = get_u32(&c), uid = get_u32(&c), gid = get_u32(&c), flags = get_u32(&c);
@@ -639,7 +690,9 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
     send_frame('P', hdr, 4);
 
     static unsigned char buf[PIPE_CHUNK];
-    uint64_t sent[2] = {0, 0}, dropped[2] = {0, 0};
+    /* With a cap, the first cap - cap/2 bytes of each stream go out live and the last cap/2 at the end. */
+    uint64_t head = cap ? (uint64_t)cap - cap / 2 : 0, sent[2] = {0, 0};
+    struct tail tails[2] = {{NULL, cap / 2, 0, 0, 0}, {NULL, cap / 2, 0, 0, 0}};
     unsigned char *inbuf = NULL;
     size_t in_len = 0, in_off = 0;
     int close_pending = 0;
@@ -710,12 +763,13 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
             ssize_t n = read(fds[k], buf, sizeof(buf));
             if (n > 0) {
                 size_t take = (size_t)n;
-                if (cap && sent[k] + take > cap)
-                    take = sent[k] >= cap ? 0 : (size_t)(cap - sent[k]);
+                if (cap && sent[k] + take > head)
+                    take = sent[k] >= head ? 0 : (size_t)(head - sent[k]);
                 if (take)
                     send_frame(k ? 'R' : 'O', buf, take);
                 sent[k] += take;
-                dropped[k] += (uint64_t)n - take;
+                if (take < (size_t)n)
+                    tail_put(&tails[k], buf + take, (size_t)n - take);
                 last_data = now_ns();
             } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
                 close(fds[k]);
@@ -777,11 +831,13 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
         sig = WIFSIGNALED(cmd_status) ? WTERMSIG(cmd_status) : 0;
         code = 128 + sig;
     }
+    for (int k = 0; k < 2; k++)
+        tail_send(&tails[k], k);
     unsigned char x[24];
     put_u32(x, (uint32_t)code);
     put_u32(x + 4, (uint32_t)sig);
-    put_u64(x + 8, dropped[0]);
-    put_u64(x + 16, dropped[1]);
+    put_u64(x + 8, tails[0].dropped);
+    put_u64(x + 16, tails[1].dropped);
     send_frame('X', x, sizeof(x));
     flush_out();
 }

@@ -13,6 +13,8 @@ import os
 import struct
 from dataclasses import dataclass
 
+from shoal.protocol import cut_marker
+
 __all__ = ["AgentClient", "AgentError", "ExecProcess", "ExitInfo", "FileEntry"]
 
 MAX_FRAME = 16 << 20
@@ -21,6 +23,7 @@ _HDR = struct.Struct(">IB")
 _STAT = struct.Struct(">BIIIQq")
 _EXIT = struct.Struct(">iiQQ")
 _U32 = struct.Struct(">I")
+_CUT = struct.Struct(">IQ")
 _KINDS = {ord("f"): "file", ord("d"): "dir", ord("l"): "symlink"}
 _ERRNO_CLASSES: dict[int, type[OSError]] = {
     _errno.ENOENT: FileNotFoundError,
@@ -161,11 +164,14 @@ class ExecProcess:
         """Next ("stdout"|"stderr", chunk), or None once the command has exited."""
         if self.exit is not None:
             return None
-        kind, payload = await self._conn.expect(b"O", b"R", b"X")
+        kind, payload = await self._conn.expect(b"O", b"R", b"Q", b"X")
         if kind == ord("O"):
             return "stdout", payload
         if kind == ord("R"):
             return "stderr", payload
+        if kind == ord("Q"):  # the output cap cut the middle of a stream; its tail follows
+            stream, omitted = _CUT.unpack_from(payload)
+            return ("stderr" if stream else "stdout"), cut_marker(omitted)
         self.exit = ExitInfo(*_EXIT.unpack_from(payload))
         await self.close()
         return None

@@ -685,6 +685,8 @@ class NodeService:
             truncated=bool(exit_info and (exit_info.stdout_dropped or exit_info.stderr_dropped)),
             signal=exit_info.signal if exit_info else 9,
             oom_killed=oom,
+            stdout_omitted=exit_info.stdout_dropped if exit_info else 0,
+            stderr_omitted=exit_info.stderr_dropped if exit_info else 0,
         )
 
     # ---------------------------------------------------------------- files
