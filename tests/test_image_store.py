@@ -241,6 +241,41 @@ def test_layers_cannot_write_outside_their_root(store: ImageStore, entries: list
     assert list(store.tmp_dir.iterdir()) == []
 
 
+def test_hard_link_through_a_symlinked_directory_is_refused(store: ImageStore, tmp_path: Path) -> None:
+    """`d -> <host dir>` then a hard link to `d/secret` once linked a host file into the image (issue 18)."""
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "secret").write_text("host only\n")
+    for entries in (
+        [Entry("d", "symlink", target=str(host)), Entry("leak", "hardlink", target="d/secret")],
+        [Entry("d", "symlink", target="../../host"), Entry("leak", "hardlink", target="d/secret")],
+        [
+            Entry("real", "dir"),
+            Entry("real/x", data=b"x"),
+            Entry("d", "symlink", target="real"),
+            Entry("leak", "hardlink", target="d/x"),
+        ],  # fmt: skip
+    ):
+        with pytest.raises(ImageError, match="plain directories"):
+            store.add_layer_tar(__import__("io").BytesIO(layer_tar(entries)))
+    assert (host / "secret").stat().st_nlink == 1
+    assert list(store.tmp_dir.iterdir()) == []
+    # a hard link to a plain file (or to a symlink itself) of the layer still works
+    diff_id = store.add_layer_tar(__import__("io").BytesIO(layer_tar([
+        Entry("real", "dir"), Entry("real/x", data=b"x"), Entry("s", "symlink", target="real/x"),
+        Entry("hx", "hardlink", target="real/x"), Entry("hs", "hardlink", target="s")])))  # fmt: skip
+    assert store.has_layer(diff_id)
+
+
+@pytest.mark.parametrize("name", ["..", ".", "sub/..", ""])
+def test_whiteouts_of_dot_names_are_refused(store: ImageStore, tmp_path: Path, name: str) -> None:
+    """`.wh...` named the parent of the layer's directory: unpacking deleted outside the layer."""
+    entries = [Entry("sub", "dir"), Entry("sub/keep", data=b"k"), Entry(name, "whiteout")]
+    with pytest.raises(ImageError, match="whiteout"):
+        store.add_layer_tar(__import__("io").BytesIO(layer_tar(entries)))
+    assert store.tmp_dir.is_dir() and list(store.tmp_dir.iterdir()) == []
+
+
 def test_pack_of_an_upper_dir_round_trips_whiteouts_and_opaque_dirs(tmp_path: Path) -> None:
     upper = tmp_path / "upper"
     (upper / "etc").mkdir(parents=True)

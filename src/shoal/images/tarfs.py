@@ -176,7 +176,10 @@ def _extract(
                     _remove(parent / child)
         return
     if base.startswith(WHITEOUT_PREFIX):
-        target = parent / base[len(WHITEOUT_PREFIX) :]
+        hidden = base[len(WHITEOUT_PREFIX) :]
+        if hidden in ("", ".", ".."):  # `.wh..` would delete the parent, `.wh...` the layer root's parent
+            raise ImageError(f"layer entry {member.name!r} is a whiteout of no valid name; the archive is malicious")
+        target = parent / hidden
         _remove(target)
         if created is None:
             os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0))
@@ -202,10 +205,7 @@ def _extract(
         elif member.issym():
             os.symlink(member.linkname, path)
         elif member.islnk():
-            target = dest / _clean(member.linkname)
-            if not target.exists() and not target.is_symlink():
-                raise ImageError(f"hard link {rel!r} names {member.linkname!r}, which is not earlier in the layer")
-            os.link(target, path, follow_symlinks=False)
+            _hard_link(dest, rel, member.linkname, path)
             return  # shares the target's inode and metadata
         elif member.ischr() or member.isblk():
             kind = stat.S_IFCHR if member.ischr() else stat.S_IFBLK
@@ -215,6 +215,36 @@ def _extract(
         else:
             raise ImageError(f"layer entry {rel!r} has an unsupported type {member.type!r}")
     _apply_meta(path, member)
+
+
+def _hard_link(dest: Path, rel: str, linkname: str, path: Path) -> None:
+    """Link `path` to `linkname`, an earlier entry of this layer, walking its directories without following
+    symlinks: `d -> /etc` then a hard link to `d/shadow` would otherwise link a host file into the image."""
+    target = _clean(linkname)
+    head, _, name = target.rpartition("/")
+    if not name:
+        raise ImageError(f"hard link {rel!r} names the layer root; the archive is malicious or corrupt")
+    dirfd = os.open(dest, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in head.split("/") if head else ():
+            try:
+                inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+            except OSError:  # ELOOP (a symlink), ENOTDIR, ENOENT: not a directory of this layer
+                raise ImageError(
+                    f"hard link {rel!r} names {linkname!r}, which is not below plain directories of this layer; "
+                    "the archive is malicious or corrupt"
+                ) from None
+            os.close(dirfd)
+            dirfd = inner
+        try:
+            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise ImageError(f"hard link {rel!r} names {linkname!r}, which is not earlier in the layer") from None
+        if stat.S_ISDIR(st.st_mode):
+            raise ImageError(f"hard link {rel!r} names {linkname!r}, a directory; the archive is corrupt")
+        os.link(name, path, src_dir_fd=dirfd, follow_symlinks=False)
+    finally:
+        os.close(dirfd)
 
 
 def _apply_meta(path: Path, member: tarfile.TarInfo) -> None:
