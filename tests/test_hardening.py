@@ -316,3 +316,59 @@ def test_commands_inherit_no_agent_fds(victim: shoal.Sandbox) -> None:
     assert fds == [0, 1, 2, 3]  # stdin, stdout, stderr pipes, and the listdir handle itself
     targets = victim.exec("ls -l /proc/self/fd/ | grep -c -E 'runtime.log|agent.sock|node' || true").stdout
     assert targets.strip() == "0"
+
+
+def _escapes(root: Path) -> list[str]:
+    """Symlinks below `root` that resolve outside it."""
+    real = os.path.realpath(root)
+    found = []
+    for path in root.rglob("*"):
+        if path.is_symlink():
+            where = os.path.realpath(path)
+            if where != real and not where.startswith(real + "/"):
+                found.append(f"{path.relative_to(root)} -> {os.readlink(path)}")
+    return found
+
+
+def test_download_never_leads_outside_its_target(client: shoal.Client, tmp_path: Path) -> None:
+    """Sandbox-made symlinks are not recreated pointing outside the target, and links already in the target
+    are replaced, never written through (issue 18: a second download wrote through the first one's links)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_text("host file\n")
+    target = tmp_path / "dl"
+    with client.create("container", image="busybox", pool=False, ttl_s=300) as sb:
+        sb.exec(
+            f"mkdir -p /out/sub/deeper && cd /out && echo data > data.txt && ln -s {outside}/victim abs"
+            f" && ln -s ../outside/victim rel && ln -s {outside} dirlink && ln -s data.txt inside"
+            " && ln -s .. sub/up && ln -s up/.. sub/sneaky && ln -s ../data.txt sub/ok && ln -s ../.. sub/deeper/top"
+            " && ln -s ../../.. sub/deeper/over",
+            timeout=30,
+        ).check()
+        with pytest.warns(shoal.UnsafeEntryWarning) as caught:
+            assert sb.files.download("/out", str(target)) == 1
+        message = str(caught[0].message)
+        for name in ("abs ->", "rel ->", "dirlink ->", "sub/sneaky ->", "sub/deeper/over ->"):
+            assert name in message, message
+        assert _escapes(target) == []
+        assert (target / "inside").read_text() == "data\n" and (target / "sub" / "ok").read_text() == "data\n"
+        assert os.readlink(target / "sub" / "up") == ".." and os.readlink(target / "sub" / "deeper" / "top") == "../.."
+
+        # links left in the target (by an older client, or planted some other way) are replaced, not followed
+        (target / "abs").symlink_to(outside / "victim")
+        (target / "dirlink").symlink_to(outside)
+        sb.exec(
+            "cd /out && rm abs dirlink && echo overwritten > abs && mkdir dirlink && echo planted > dirlink/new",
+            timeout=30,
+        ).check()
+        with pytest.warns(shoal.UnsafeEntryWarning):
+            assert sb.files.download("/out", str(target)) == 3
+        assert (outside / "victim").read_text() == "host file\n" and sorted(os.listdir(outside)) == ["victim"]
+        assert not (target / "abs").is_symlink() and (target / "abs").read_text() == "overwritten\n"
+        assert not (target / "dirlink").is_symlink() and (target / "dirlink" / "new").read_text() == "planted\n"
+        assert _escapes(target) == []
+
+        # a single file written onto a link is written in its place too
+        (tmp_path / "one").symlink_to(outside / "victim")
+        assert sb.files.download("/out/data.txt", str(tmp_path / "one")) == 1
+        assert (outside / "victim").read_text() == "host file\n" and (tmp_path / "one").read_text() == "data\n"

@@ -254,7 +254,7 @@ def test_hard_link_through_a_symlinked_directory_is_refused(store: ImageStore, t
             Entry("real/x", data=b"x"),
             Entry("d", "symlink", target="real"),
             Entry("leak", "hardlink", target="d/x"),
-        ],  # fmt: skip
+        ],
     ):
         with pytest.raises(ImageError, match="plain directories"):
             store.add_layer_tar(__import__("io").BytesIO(layer_tar(entries)))

@@ -34,6 +34,7 @@ from shoal.errors import (
     SandboxLostError,
     SandboxNotFoundError,
     ShoalError,
+    UnsafeEntryWarning,
     UnsupportedKindError,
 )
 from shoal.images.builder import ImageBuilder
@@ -74,5 +75,6 @@ __all__ = [
     "SandboxSpec",
     "Shell",
     "ShoalError",
+    "UnsafeEntryWarning",
     "UnsupportedKindError",
 ]

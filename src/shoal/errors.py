@@ -63,6 +63,11 @@ class QuotaExceededError(ShoalError):
     """The request would take the project past one of its quotas (sandboxes, CPU, memory)."""
 
 
+class UnsafeEntryWarning(UserWarning):
+    """A download skipped what the sandbox reported because it could lead outside the local target
+    (a symlink to an absolute path or out through `..`, a name that is not a plain relative path)."""
+
+
 ERROR_TYPES: dict[str, type[ShoalError]] = {
     cls.__name__: cls
     for cls in [

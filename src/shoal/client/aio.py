@@ -7,18 +7,19 @@ import getpass
 import os
 import socket
 import stat as stat_module
+import warnings
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shoal import protocol
-from shoal.client import functions
+from shoal.client import functions, localfs
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.client.transport import Connection
 from shoal.client.transport import _error as wire_error
 from shoal.config import Paths
-from shoal.errors import DivergenceError, NodeError, SandboxLostError, ShoalError
+from shoal.errors import DivergenceError, NodeError, SandboxLostError, ShoalError, UnsafeEntryWarning
 from shoal.images.builder import ImageBuilder
 from shoal.protocol import OutputChunk, SandboxSpec
 from shoal.steps import describe, divergence_message, step_key
@@ -705,28 +706,37 @@ class AsyncFiles:
         return len(files)
 
     async def download(self, remote_dir: str, local_dir: str | os.PathLike[str]) -> int:
-        """Copy a directory (or file) out of the sandbox; returns the number of files written."""
+        """Copy a directory (or file) out of the sandbox; returns the number of files written.
+
+        What the sandbox reports is not trusted: nothing below `local_dir` is followed (links already there
+        are replaced, not written through), and a symlink is recreated only if it stays inside `local_dir`;
+        others are skipped with a warning that names them (see `shoal.client.localfs`).
+        """
         root = Path(local_dir)
         entry = await self.stat(remote_dir)
         if entry is None:
             raise FileNotFoundError(f"no file or directory {remote_dir} in sandbox {self._sandbox.id}")
         if entry.kind == "file":
-            root.parent.mkdir(parents=True, exist_ok=True)
-            root.write_bytes(await self.read(remote_dir))
+            data = await self.read(remote_dir)
+            await asyncio.to_thread(localfs.write_file, root, data, entry.mode or 0o644)
             return 1
-        root.mkdir(parents=True, exist_ok=True)
         count = 0
-        for item in await self.list(remote_dir, recursive=True):
-            local = root / item.name
-            if item.kind == "dir":
-                local.mkdir(parents=True, exist_ok=True)
-            elif item.kind == "file":
-                local.parent.mkdir(parents=True, exist_ok=True)
-                local.write_bytes(await self.read(f"{remote_dir.rstrip('/')}/{item.name}"))
-                local.chmod(item.mode & 0o777)
-                count += 1
-            elif item.kind == "symlink":
-                local.parent.mkdir(parents=True, exist_ok=True)
-                if not local.is_symlink():
-                    local.symlink_to(item.target)
+        with localfs.TreeWriter(root) as tree:
+            for item in await self.list(remote_dir, recursive=True):
+                if item.kind == "dir":
+                    tree.mkdir(item.name)
+                elif item.kind == "file":
+                    data = await self.read(f"{remote_dir.rstrip('/')}/{item.name}")
+                    count += await asyncio.to_thread(tree.write_file, item.name, data, item.mode)
+                elif item.kind == "symlink":
+                    tree.symlink(item.name, item.target)
+        if tree.skipped:
+            more = len(tree.skipped) - 10
+            shown = ", ".join(tree.skipped[:10]) + (f" and {more} more" if more > 0 else "")
+            warnings.warn(
+                f"download of {remote_dir} from sandbox {self._sandbox.id} into {root} skipped "
+                f"{len(tree.skipped)} entries that could lead outside it: {shown}",
+                UnsafeEntryWarning,
+                stacklevel=2,
+            )
         return count
