@@ -271,6 +271,35 @@ def test_shoal_top_shows_the_cluster(cluster: LocalCluster, capsys: pytest.Captu
     assert "nodes 1/1 up" in capsys.readouterr().out
 
 
+def test_node_and_gateway_answer_in_the_same_shapes(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    from shoal.cli import main
+
+    token = cluster.project_tokens["bob"]
+    gateway, node = f"shoal://{cluster.gateways[0].address}", f"shoal://{cluster.nodes[0].address}"
+    with shoal.Client(gateway, token=token) as via_gateway, shoal.Client(node, token=token) as direct:
+        g_status, n_status = via_gateway.status(), direct.status()
+        shared = set(n_status) - {"node_id", "pid", "uptime_s", "home"}
+        assert shared <= set(g_status), shared - set(g_status)
+        assert {k: type(n_status[k]) for k in shared} == {k: type(g_status[k]) for k in shared}
+        assert set(g_status["nodes"]) == {"tc1", "tc2"} and set(n_status["nodes"]) == {cluster.nodes[0].node_id}
+        assert g_status["sandboxes"] == sum(n["sandboxes"] for n in g_status["nodes"].values())
+        for answers in (via_gateway.images(), direct.images()):
+            assert isinstance(answers, list) and "busybox" in answers and answers == sorted(answers)
+        g_images, n_images = via_gateway.image_list(), direct.image_list()
+        assert (
+            {frozenset(e) for e in g_images}
+            == {frozenset(e) for e in n_images}
+            == {frozenset({"name", "layers", "size", "created", "nodes"})}
+        )
+        busybox = next(e for e in g_images if e["name"] == "busybox")
+        assert busybox["nodes"] == ["tc1", "tc2"] and busybox["layers"] >= 1
+        g_record, n_record = via_gateway.image_inspect("busybox"), direct.image_inspect("busybox")
+        assert set(g_record) == set(n_record) and g_record["nodes"] == ["tc1", "tc2"]
+    for address in (gateway, node):
+        assert main(["--address", address, "--token", token, "image", "ls"]) == 0
+        assert "busybox" in capsys.readouterr().out
+
+
 async def test_cancelling_through_the_gateway_leaks_nothing(cluster: LocalCluster) -> None:
     import asyncio
 

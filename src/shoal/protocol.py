@@ -114,6 +114,53 @@ def cut_marker(omitted: int) -> bytes:
     return f"\n[... shoal: {omitted} bytes omitted by the output cap ...]\n".encode()
 
 
+# Keys of a node's status that describe that one node: kept per node under "nodes", not combined.
+NODE_IDENTITY = frozenset({"node_id", "pid", "uptime_s", "home", "nodes", "unreachable"})
+
+
+def combine_status(per_node: dict[str, dict[str, Any]], unreachable: dict[str, str]) -> dict[str, Any]:
+    """One status for several nodes, shaped like one node's: numbers summed, lists merged, dicts combined.
+
+    A node answers `status` in this shape too (a cluster of one), so code reading `sandboxes`, `states`,
+    `pools` or `nodes[...]` works the same against a node and a gateway.
+    """
+    combined: dict[str, Any] = {}
+    nodes = {
+        node: {k: v for k, v in status.items() if k not in ("nodes", "unreachable")}
+        for node, status in per_node.items()
+    }
+    for status in nodes.values():
+        _merge(combined, {k: v for k, v in status.items() if k not in NODE_IDENTITY})
+    return {**combined, "nodes": nodes, "unreachable": dict(unreachable)}
+
+
+def _merge(into: dict[str, Any], more: dict[str, Any]) -> None:
+    for key, value in more.items():
+        old = into.get(key)
+        if key not in into:
+            into[key] = msgspec.json.decode(msgspec.json.encode(value))  # a copy: later merges must not alias
+        elif isinstance(old, bool) or isinstance(value, bool):
+            into[key] = bool(old) or bool(value)
+        elif isinstance(old, (int, float)) and isinstance(value, (int, float)):
+            into[key] = old + value
+        elif isinstance(old, list) and isinstance(value, list):
+            into[key] = old + [v for v in value if v not in old]
+        elif isinstance(old, dict) and isinstance(value, dict):
+            _merge(old, value)
+        elif old != value:
+            into[key] = None  # the nodes disagree on a single value: see each under "nodes"
+
+
+def merge_image_lists(lists: Any) -> list[dict[str, Any]]:
+    """Several nodes' `image_ls` answers as one, by name; each entry's `nodes` names where it is present."""
+    merged: dict[str, dict[str, Any]] = {}
+    for listing in lists:
+        for entry in listing:
+            held = merged.setdefault(entry["name"], {**entry, "nodes": []})
+            held["nodes"] = sorted({*held["nodes"], *entry.get("nodes", [])})
+    return [merged[name] for name in sorted(merged)]
+
+
 class OutputChunk(msgspec.Struct, kw_only=True):
     stream: str  # "stdout" | "stderr"
     data: bytes

@@ -42,7 +42,7 @@ from shoal.errors import (
     ShoalError,
     UnsupportedKindError,
 )
-from shoal.protocol import ErrorInfo, Request, Response
+from shoal.protocol import ErrorInfo, Request, Response, combine_status, merge_image_lists
 
 log = logging.getLogger("shoal.gateway")
 
@@ -375,8 +375,14 @@ class Gateway:
             return sum(ok.values())
         if op == "image_list":
             return sorted(set().union(*ok.values())) if ok else []
-        if op == "status":
-            return {"gateway": self.name, "nodes": ok, "unreachable": {n: str(e) for n, e in failed.items()}}
+        if op == "status":  # shaped like a node's (protocol.combine_status), plus the gateway's name
+            return {**combine_status(ok, {n: str(e) for n, e in failed.items()}), "gateway": self.name}
+        if op == "image_ls":  # one entry per image, as a node lists it, naming the nodes that hold it
+            return merge_image_lists(ok.values())
+        if op == "image_inspect" and ok:  # one record, as a node answers, naming the nodes that hold it
+            record = dict(next(iter(ok.values())))
+            record["nodes"] = sorted(n for r in ok.values() for n in r.get("nodes", []))
+            return record
         if failed:
             first = next(iter(failed.values()))
             raise first if isinstance(first, Exception) else ShoalError(str(first))

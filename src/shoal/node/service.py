@@ -40,7 +40,18 @@ from shoal.node.pools import WarmPools
 from shoal.node.sandbox import Sandbox, State
 from shoal.node.shell import ShellSession
 from shoal.node.trajectory import Recorder, TrajectoryLog
-from shoal.protocol import KINDS, ErrorInfo, ExecRequest, ExecResult, FileEntry, OutputChunk, SandboxInfo, SandboxSpec
+from shoal.protocol import (
+    KINDS,
+    ErrorInfo,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    OutputChunk,
+    SandboxInfo,
+    SandboxSpec,
+    combine_status,
+    merge_image_lists,
+)
 from shoal.substrates import Substrate
 from shoal.substrates.container import ContainerSubstrate
 from shoal.substrates.function import FunctionService
@@ -923,13 +934,14 @@ class NodeService:
         return await self.node_images.build(self, name, base or "scratch", steps, no_cache=no_cache, emit=emit)
 
     async def image_list(self) -> list[str]:
-        return self.images.names()
+        return sorted(self.images.names())
 
     async def image_ls(self) -> list[dict[str, Any]]:
-        return await self.node_images.list()
+        """The store's images; shaped as a gateway answers (`nodes`: where each is present)."""
+        return merge_image_lists([[{**e, "nodes": [self.settings.node_id]} for e in await self.node_images.list()]])
 
     async def image_inspect(self, name: str) -> dict[str, Any]:
-        return await self.node_images.inspect(name)
+        return {**await self.node_images.inspect(name), "nodes": [self.settings.node_id]}
 
     async def image_rm(self, name: str) -> dict[str, Any]:
         return await self.node_images.remove(name)
@@ -978,6 +990,11 @@ class NodeService:
         return await self._step(sandbox, "sandbox_snapshot", {"name": name}, seq, run)
 
     async def status(self) -> dict[str, Any]:
+        """This node's figures, shaped as a gateway's status (a cluster of one: see protocol.combine_status)."""
+        own = self._own_status()
+        return {**combine_status({self.settings.node_id: own}, {}), **own}
+
+    def _own_status(self) -> dict[str, Any]:
         states = collections.Counter(s.state.value for s in self.sandboxes.values())
         return {
             "node_id": self.settings.node_id,
