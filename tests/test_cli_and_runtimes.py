@@ -39,6 +39,29 @@ def test_doctor_names_what_it_checks() -> None:
     assert out.returncode == 0, out.stdout
 
 
+def test_blocking_api_is_documented_and_typed() -> None:
+    """help() on the blocking API says what each call does, and type checkers see the package's hints."""
+    import importlib.resources
+    import inspect
+    import tomllib
+    from pathlib import Path
+
+    from shoal.client import sync
+
+    undocumented = []
+    for cls in (sync.Client, sync.Sandbox, sync.Files, sync.Shell, sync.SyncExecStream):
+        assert cls.__doc__, cls
+        for name, member in vars(cls).items():
+            member = member.fget if isinstance(member, property) else member
+            if (not name.startswith("_") or name == "__iter__") and callable(member) and not inspect.getdoc(member):
+                undocumented.append(f"{cls.__name__}.{name}")
+    assert not undocumented, f"blocking methods without a docstring: {undocumented}"
+    assert "node" in inspect.getdoc(sync.Client.status) and "output" in inspect.getdoc(sync.Sandbox.exec_stream)
+    assert importlib.resources.files("shoal").joinpath("py.typed").is_file()
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["shoal"]  # shipped in the wheel
+
+
 @pytest.mark.skipif(shutil.which("runc") is None, reason="runc is not installed on this host")
 def test_runc_runs_the_same_bundle(client: shoal.Client) -> None:
     with client.create(image="busybox", runtime="runc", memory_mb=64, pool=False) as sb:

@@ -74,6 +74,7 @@ class AsyncClient:
         self._connecting = asyncio.Lock()
 
     async def connect(self) -> AsyncClient:
+        """Open the connection (starting the local node first if need be and `autostart` allows)."""
         async with self._connecting:
             if self._conn is None or self._conn.closed:
                 self._conn = await self._open()
@@ -246,9 +247,11 @@ class AsyncClient:
         return ReplayReport(**raw)
 
     async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        """The live sandboxes (of this project), optionally only those carrying all of `labels`."""
         return [protocol.convert(i, SandboxInfo) for i in await self.call("list", {"labels": labels})]
 
     async def kill(self, sandbox_id: str) -> None:
+        """Destroy a sandbox by ID at once (its processes are killed; its log is kept)."""
         await self.call("kill", {"sandbox_id": sandbox_id})
 
     async def _kill_quietly(self, sandbox_id: str) -> None:
@@ -268,6 +271,7 @@ class AsyncClient:
         return await self.call("pool_set", {"spec": _spec(kind, image, options), "size": size, "wait": wait})
 
     async def status(self) -> dict[str, Any]:
+        """The node's figures (through a gateway: summed over the nodes, each under `nodes`)."""
         return await self.call("status")
 
     async def kinds(self) -> list[str]:
@@ -304,6 +308,7 @@ class AsyncClient:
         return await self.call("image_ls")
 
     async def image_inspect(self, name: str) -> dict[str, Any]:
+        """An image's record: layers, config, size, and the nodes that hold it."""
         return await self.call("image_inspect", {"name": name})
 
     async def image_rm(self, name: str) -> dict[str, Any]:
@@ -319,6 +324,7 @@ class AsyncClient:
         return await self.call("image_squash", {"name": name, "target": target})
 
     async def image_tag(self, source: str, target: str) -> None:
+        """Register image `source` under a second name `target` (no layers copied)."""
         await self.call("image_tag", {"source": source, "target": target})
 
     async def image_import(self, path: str | os.PathLike[str], name: str | None = None) -> list[str]:
@@ -389,6 +395,7 @@ class ReplayReport:
 
     @property
     def identical(self) -> bool:
+        """True if the replay matched the log in every step."""
         return not self.differences
 
 
@@ -565,6 +572,7 @@ class AsyncSandbox:
         return await functions.call(self.client, fn, *args, sandbox_id=self.id, **options)
 
     async def refresh(self) -> SandboxInfo:
+        """Fetch this sandbox's record from the node again (state, expiry, steps) and return it."""
         self.info = protocol.convert(await self.client.call("get", {"sandbox_id": self.id}), SandboxInfo)
         return self.info
 
@@ -580,6 +588,7 @@ class AsyncSandbox:
         return await self.client.call("pause", {"sandbox_id": self.id})
 
     async def resume(self) -> None:
+        """Resume a paused sandbox (its processes continue where they stopped)."""
         self.info = protocol.convert(await self.client.call("resume", {"sandbox_id": self.id}), SandboxInfo)
 
     async def log(self, *, since: int = 0) -> list[dict[str, Any]]:
@@ -636,6 +645,7 @@ class AsyncShell:
         return ExecResult.from_wire(raw)
 
     async def close(self) -> None:
+        """End the shell session (its processes are killed)."""
         await self.sandbox.client.call("shell_close", {"shell_id": self.id})
 
     async def __aenter__(self) -> AsyncShell:
@@ -655,30 +665,38 @@ class AsyncFiles:
         return await self._sandbox._step(op, {"sandbox_id": self._sandbox.id, **args})
 
     async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, append: bool = False) -> int:
+        """Write `data` (str is UTF-8 encoded) to `path`, making parent directories; returns bytes written."""
         payload = data.encode() if isinstance(data, str) else data
         return await self._call("file_write", path=path, data=payload, mode=mode, append=append)
 
     async def read(self, path: str, *, max_bytes: int = 256 << 20) -> bytes:
+        """The bytes of file `path`; raises if it is larger than `max_bytes`."""
         return await self._call("file_read", path=path, max_bytes=max_bytes)
 
     async def read_text(self, path: str) -> str:
+        """The contents of file `path` decoded as UTF-8."""
         return (await self.read(path)).decode()
 
     async def list(self, path: str = ".", *, recursive: bool = False) -> list[FileEntry]:
+        """The entries of directory `path` (recursive: names relative to it; symlinks not followed)."""
         raw = await self._call("file_list", path=path, recursive=recursive)
         return [protocol.convert(e, FileEntry) for e in raw]
 
     async def stat(self, path: str) -> FileEntry | None:
+        """The entry for `path` (not following a final symlink), or None if it does not exist."""
         raw = await self._call("file_stat", path=path)
         return None if raw is None else protocol.convert(raw, FileEntry)
 
     async def exists(self, path: str) -> bool:
+        """Whether `path` exists (a dangling symlink counts)."""
         return await self.stat(path) is not None
 
     async def mkdir(self, path: str) -> None:
+        """Create directory `path` and any missing parents."""
         await self._call("file_mkdir", path=path)
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Remove a file, symlink or (with `recursive`, non-empty) directory."""
         await self._call("file_remove", path=path, recursive=recursive)
 
     async def upload(self, local_dir: str | os.PathLike[str], remote_dir: str, *, concurrency: int = 16) -> int:

@@ -192,10 +192,12 @@ class Sandbox:
 
     @property
     def info(self) -> SandboxInfo:
+        """The sandbox's record as last fetched (`refresh()` fetches it again)."""
         return self._inner.info
 
     @property
     def seq(self) -> int | None:
+        """The next step's number in the sandbox's trajectory log (None: steps append at the end)."""
         return self._inner.seq
 
     @seq.setter
@@ -301,9 +303,11 @@ class SyncExecStream:
 
     @property
     def result(self) -> ExecResult | None:
+        """The command's ExecResult once iteration has finished; None before."""
         return self._inner.result
 
     def __iter__(self) -> Iterator[OutputChunk]:
+        """Start the command and yield its output as printed; breaking out early cancels it."""
         items: queue.Queue[Any] = queue.Queue()
         done = object()
 
@@ -327,6 +331,8 @@ class SyncExecStream:
 
 
 class Shell:
+    """Blocking handle on a persistent shell: `run` calls share working directory and environment."""
+
     def __init__(self, client: Client, inner: AsyncShell) -> None:
         self._client = client
         self._inner = inner
@@ -348,6 +354,8 @@ class Shell:
 
 
 class Files:
+    """Blocking file operations inside one sandbox (`sandbox.files`)."""
+
     def __init__(self, client: Client, inner: AsyncFiles) -> None:
         self._client = client
         self._inner = inner
@@ -381,3 +389,19 @@ class Files:
 
     def download(self, remote_dir: str, local_dir: str) -> int:
         return self._client._run(self._inner.download(remote_dir, local_dir))
+
+
+def _carry_docstrings() -> None:
+    """Give each blocking method the docstring of the async method it wraps (they take the same arguments
+    and return the same thing, only without `await`), so help() and IDEs show the same text for both."""
+    pairs = [(Client, AsyncClient), (Sandbox, AsyncSandbox), (Files, AsyncFiles), (Shell, AsyncShell)]
+    for blocking, wrapped in pairs:
+        for name, method in vars(blocking).items():
+            if name.startswith("_") or not callable(method) or method.__doc__:
+                continue
+            source = getattr(wrapped, name, None)
+            if source is not None and source.__doc__:
+                method.__doc__ = source.__doc__
+
+
+_carry_docstrings()
