@@ -195,6 +195,37 @@ def test_names_presets_and_dns(nclient: shoal.Client, hosts: tuple[EchoHost, Ech
         assert got == {"mirror-a.test:8080": "open", f"{b.address}:8080": "closed"}
 
 
+FETCH = """
+import sys, urllib.request
+print(urllib.request.urlopen(sys.argv[1], timeout=20).read(4096).decode(errors="replace"))
+"""
+DEBIAN_RELEASE = "http://deb.debian.org/debian/dists/bookworm/Release"
+
+
+def outside_network() -> str | None:
+    """Why this machine cannot reach the Debian archive (None if it can): tests needing it skip saying so."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(DEBIAN_RELEASE, timeout=20) as answer:
+            answer.read(64)
+    except OSError as exc:
+        return f"this machine cannot fetch {DEBIAN_RELEASE} itself ({exc})"
+    return None
+
+
+def test_any_host_policy_resolves_names(nclient: shoal.Client, hosts: tuple[EchoHost, EchoHost]) -> None:
+    if (why := outside_network()) is not None:
+        pytest.skip(why)
+    a, _ = hosts
+    with nclient.create(image="debian", pool=False, network="*") as sb:
+        assert sb.exec("getent hosts deb.debian.org").exit_code == 0, "network='*' must resolve public names"
+        fetched = sb.exec(["python3", "-c", FETCH, DEBIAN_RELEASE], timeout=60)
+        assert "Codename: bookworm" in fetched.stdout, fetched.stderr
+        assert sb.exec("getent hosts no-such-name.invalid").exit_code == 2  # NXDOMAIN still says so
+        assert reach(sb, f"{a.address}:8080") == {f"{a.address}:8080": "closed"}  # private ranges stay shut
+
+
 UDP_PROBE = """
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(2)

@@ -98,6 +98,11 @@ class Policy:
     def none(self) -> bool:
         return not self.rules
 
+    @property
+    def any_host(self) -> bool:
+        """Does a rule allow every public address ("*", "internet")? Then any name may be resolved."""
+        return any(rule.net.prefixlen == 0 for rule in self.rules)
+
     def chain_body(self) -> list[str]:
         explicit = [r.nft() for r in self.rules if r.explicit_private]
         public = [r.nft() for r in self.rules if not r.explicit_private]
@@ -429,6 +434,11 @@ table inet {self.table} {{
         attachment = self._by_address.get(client_ip)
         return None if attachment is None else attachment.policy.names.get(name.lower().rstrip("."))
 
+    def resolves_any(self, client_ip: str) -> bool:
+        """May `client_ip` resolve names outside its policy's list (its policy allows every address)?"""
+        attachment = self._by_address.get(client_ip)
+        return attachment is not None and attachment.policy.any_host
+
 
 def host_links(prefix: str) -> list[str]:
     try:
@@ -472,29 +482,57 @@ async def run(argv: list[str], stdin: bytes = b"", check: bool = True) -> int:
     return status
 
 
+LOOKUPS_IN_FLIGHT = 64  # host lookups for sandboxes allowed every address; more are dropped (clients retry)
+
+
 class DnsResolver(asyncio.DatagramProtocol):
-    """Answers A queries from sandboxes for the names their policy allows; NXDOMAIN for everything else."""
+    """Answers A queries from sandboxes for the names their policy allows; NXDOMAIN for everything else.
+
+    A sandbox whose policy allows every public address ("*", "internet") may resolve any name: those
+    queries are looked up with the host's resolver (getaddrinfo), so `network="*"` works with names too.
+    """
 
     def __init__(self, manager: NetworkManager) -> None:
         self.manager = manager
         self.transport: asyncio.DatagramTransport | None = None
+        self.lookups: set[asyncio.Task] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def close(self) -> None:
+        for task in self.lookups:
+            task.cancel()
         if self.transport is not None:
             self.transport.close()
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         try:
             reply = self.reply(data, addr[0])
+        except _LookUp as wanted:
+            if len(self.lookups) < LOOKUPS_IN_FLIGHT:
+                task = asyncio.ensure_future(self._look_up(data, addr, wanted.name))
+                self.lookups.add(task)
+                task.add_done_callback(self.lookups.discard)
+            return
         except (ValueError, IndexError, struct.error):
             return  # malformed query: no answer
         if reply and self.transport is not None:
             self.transport.sendto(reply, addr)
 
-    def reply(self, query: bytes, client_ip: str) -> bytes:
+    async def _look_up(self, query: bytes, addr: tuple[str, int], name: str) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await asyncio.wait_for(loop.getaddrinfo(name, None, family=socket.AF_INET), 10)
+            found: list[str] = sorted({info[4][0] for info in infos})
+        except (OSError, UnicodeError, TimeoutError):
+            found = []
+        with contextlib.suppress(ValueError, IndexError, struct.error):
+            reply = self.reply(query, addr[0], found)
+            if self.transport is not None:
+                self.transport.sendto(reply, addr)
+
+    def reply(self, query: bytes, client_ip: str, looked_up: list[str] | None = None) -> bytes:
         ident, flags, qdcount = struct.unpack_from(">HHH", query)
         if flags & 0x8000 or qdcount != 1:
             raise ValueError("not a single-question query")
@@ -507,7 +545,12 @@ class DnsResolver(asyncio.DatagramProtocol):
             offset += 1 + length
         qtype, qclass = struct.unpack_from(">HH", query, offset + 1)
         question = query[12 : offset + 5]
-        addresses = self.manager.answer(client_ip, ".".join(labels))
+        name = ".".join(labels)
+        addresses = self.manager.answer(client_ip, name)
+        if looked_up is not None:
+            addresses = looked_up or None
+        elif addresses is None and name and self.manager.resolves_any(client_ip):
+            raise _LookUp(name)
         rd = flags & 0x0100
         if addresses is None:
             return struct.pack(">HHHHHH", ident, 0x8080 | rd | 3, 1, 0, 0, 0) + question  # NXDOMAIN
@@ -515,3 +558,10 @@ class DnsResolver(asyncio.DatagramProtocol):
         header = struct.pack(">HHHHHH", ident, 0x8480 | rd, 1, len(answers), 0, 0)
         body = b"".join(struct.pack(">HHHLH", 0xC00C, 1, 1, 60, 4) + socket.inet_aton(a) for a in answers)
         return header + question + body
+
+
+class _LookUp(Exception):
+    """The query needs a lookup on the host (the sandbox may resolve any name)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
