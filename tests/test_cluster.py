@@ -6,8 +6,12 @@ test_ray_cluster.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import resource
 import signal
+import socket
+import struct
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -351,3 +355,131 @@ async def test_a_cancel_storm_then_shutdown_leaves_nothing(tmp_path: Path) -> No
         lc.stop()
     node = lc.nodes[0]
     assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
+# ---------------------------------------------------------------- unauthenticated peers (issue 18, item 6)
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _raw(address: str, source: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((source, 0))
+    sock.settimeout(20)
+    sock.connect((host, int(port)))
+    return sock
+
+
+def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    """True once the server has closed `sock` (EOF or reset), False if it is still open after `timeout`."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def _works(address: str, token: str, timeout: float = 60.0) -> None:
+    """A real client connects, authenticates and gets an answer within `timeout` (generous: loaded machine)."""
+
+    async def go() -> None:
+        async with shoal.AsyncClient(f"shoal://{address}", token=token) as c:
+            await c.rpc("status")
+
+    asyncio.run(asyncio.wait_for(go(), timeout))
+
+
+@pytest.fixture
+def guarded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalCluster]:
+    monkeypatch.setenv("SHOAL_AUTH_TIMEOUT_S", "3")  # the node's and gateway's pre-auth deadline
+    lc = LocalCluster(tmp_path, nodes=1, prefix="tg")
+    try:
+        lc.add_gateway()
+        _wait_healthy(lc.gateways[0].address, lc.cluster_token, 1)
+        yield lc
+    finally:
+        lc.stop()
+    assert not no_leftovers(lc.nodes[0].home, lc.nodes[0].cgroup_parent, node_stopped=True)
+
+
+def test_unauthenticated_peers_cannot_make_node_or_gateway_buffer_or_hold(guarded: LocalCluster) -> None:
+    targets = [
+        (guarded.nodes[0].address, guarded.nodes[0].pid),
+        (guarded.gateways[0].address, guarded.gateways[0].proc.pid),
+    ]
+    token = guarded.project_tokens["default"]
+    for address, pid in targets:
+        before = _rss_mb(pid)
+        # a 256 MiB length prefix before auth: refused at once, not buffered
+        huge = [_raw(address, "127.0.0.2") for _ in range(4)]
+        for sock in huge:
+            try:
+                sock.sendall(struct.pack(">I", (256 << 20) - 1) + b"\0" * (4 << 20))
+            except (ConnectionResetError, BrokenPipeError):
+                pass
+        assert all(_closed_by_peer(s, 20) for s in huge), f"{address} kept a connection sending a 256 MiB frame"
+        for sock in huge:
+            sock.close()
+        # many connections that never authenticate: over the per-peer cap they are closed at once, the rest
+        # at the auth deadline, and a real client from another address is served meanwhile
+        held = [_raw(address, "127.0.0.3") for _ in range(200)]
+        _works(address, token)
+        closed_now = sum(_closed_by_peer(s, 0.5) for s in held)
+        assert closed_now >= 100, f"only {closed_now} of 200 unauthenticated connections were refused"
+        deadline = time.monotonic() + 60
+        assert all(_closed_by_peer(s, max(0.1, deadline - time.monotonic())) for s in held), "not timed out"
+        for sock in held:
+            sock.close()
+        assert _rss_mb(pid) - before < 64, f"{address}: RSS grew {_rss_mb(pid) - before:.0f} MiB"
+        _works(address, token)
+
+
+def test_out_of_file_descriptors_backs_off_logs_once_and_recovers(guarded: LocalCluster) -> None:
+    gw = guarded.gateways[0]
+    resource.prlimit(gw.proc.pid, resource.RLIMIT_NOFILE, (128, 128))
+    log = guarded.workdir / f"{gw.name}.log"
+    socks = []
+    try:
+        for i in range(300):  # from many addresses (under the per-peer caps): the fd limit is what runs out
+            socks.append(_raw(gw.address, f"127.0.{1 + i // 8}.{10 + i % 8}"))
+        time.sleep(1.0)
+        # without closing anything here: the gateway drops the unauthenticated ones at the auth deadline,
+        # accepts again, and a real client gets through
+        _works(gw.address, guarded.project_tokens["default"], timeout=90)
+    finally:
+        for sock in socks:
+            sock.close()
+    text = log.read_text(errors="replace")
+    assert "out of file descriptors" in text, "the gateway never ran out of fds: the test did not test anything"
+    assert text.count("out of file descriptors") <= 3, "EMFILE logged more than once per episode"
+    assert text.count("Too many open files") <= 3
+    assert len(text) < 200_000
+
+
+def test_http_checks_the_token_before_reading_a_body(guarded: LocalCluster) -> None:
+    host, port = guarded.gateways[0].http.rsplit(":", 1)
+    token = guarded.project_tokens["default"]
+
+    def head_only(auth: str) -> bytes:
+        with socket.create_connection((host, int(port)), timeout=20) as sock:
+            sock.sendall(
+                f"PUT /v1/sandboxes/tg1-000000000000/files?path=/a HTTP/1.1\r\nHost: x\r\n{auth}"
+                f"Content-Length: {200 << 20}\r\n\r\n".encode()
+            )
+            return sock.recv(4096)
+
+    assert head_only("").startswith(b"HTTP/1.1 401"), "the gateway waited for the body before checking the token"
+    assert head_only(f"Authorization: Bearer {token}\r\n").startswith(b"HTTP/1.1 413")
+    # a connection that never sends a request is closed at the deadline
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        assert _closed_by_peer(sock, 60)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -220,18 +221,48 @@ def convert(value: Any, type_: Any) -> Any:
     return msgspec.convert(value, type_, strict=False)
 
 
-async def read_frame(reader) -> bytes | None:  # type: ignore[no-untyped-def]
+async def read_frame(reader, max_frame: int = MAX_FRAME) -> bytes | None:  # type: ignore[no-untyped-def]
     """Read one frame body from an asyncio StreamReader; None at a clean end of stream."""
+    length = await read_header(reader)
+    if length is None:
+        return None
+    if length > max_frame:
+        raise ValueError(f"frame of {length} bytes exceeds the {max_frame}-byte limit")
+    return await reader.readexactly(length)
+
+
+async def read_header(reader) -> int | None:  # type: ignore[no-untyped-def]
+    """The next frame's length; None at a clean end of stream. Cancelling it consumes nothing."""
     try:
         header = await reader.readexactly(4)
     except Exception as exc:  # IncompleteReadError at EOF, ConnectionResetError
         if getattr(exc, "partial", b"") == b"" or isinstance(exc, ConnectionError):
             return None
         raise
-    (length,) = _LEN.unpack(header)
-    if length > MAX_FRAME:
-        raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
-    return await reader.readexactly(length)
+    return _LEN.unpack(header)[0]
+
+
+async def _read_guarded(reader: Any, guard: Any, busy: Callable[[], bool]) -> bytes | None:
+    """One frame under a netguard.ConnectionGuard: before authentication small and before the deadline;
+    after it, none at all for idle_timeout_s with nothing in flight ends the connection (None)."""
+    limits = guard.limits
+    loop = asyncio.get_running_loop()
+    if not guard.authenticated:
+        async with asyncio.timeout_at(loop.time() + guard.auth_deadline - time.monotonic()):
+            return await read_frame(reader, limits.preauth_frame)
+    while True:
+        try:
+            async with asyncio.timeout(limits.idle_timeout_s):  # re-armed while requests run
+                length = await read_header(reader)
+        except TimeoutError:
+            if busy():
+                continue
+            return None
+        if length is None:
+            return None
+        if length > MAX_FRAME:
+            raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
+        return await reader.readexactly(length)
 
 
 async def dispatch_requests(
@@ -240,14 +271,31 @@ async def dispatch_requests(
     *,
     after_each: Callable[[], Awaitable[None]] | None = None,
     abandon: Callable[[asyncio.Task], None] | None = None,
+    guard: Any = None,
 ) -> None:
     """Serve one connection's requests until the peer goes: each runs as its own task, a `cancel` request
     cancels an earlier one, and on the way out whatever still runs is handed to `abandon`, cancelled and
-    awaited. Shared by the node and the gateway."""
+    awaited. Shared by the node and the gateway.
+
+    With a `guard` (a TCP peer, see shoal.netguard) requests before authentication are small, served one at
+    a time and must come before the auth deadline; an idle authenticated connection is closed."""
     tasks: dict[int, asyncio.Task] = {}
     try:
         while True:
-            body = await read_frame(reader)
+            if guard is None:
+                body = await read_frame(reader)
+            elif not guard.check_authenticated():
+                try:
+                    body = await _read_guarded(reader, guard, lambda: bool(tasks))
+                except TimeoutError:
+                    log.debug("closing a connection from %s that did not authenticate in time", guard.peer)
+                    break
+                if body is None:
+                    break
+                await serve(decode_request(body))  # one at a time until the peer has shown a token
+                continue
+            else:
+                body = await _read_guarded(reader, guard, lambda: bool(tasks))
             if body is None:
                 break
             request = decode_request(body)
@@ -263,8 +311,9 @@ async def dispatch_requests(
                 await after_each()
     except (ConnectionError, asyncio.IncompleteReadError):
         pass
-    except Exception as exc:
-        log.warning("dropping a connection after a malformed frame: %s", exc)
+    except Exception as exc:  # an unauthenticated peer's junk is not worth a log line each (log floods)
+        level = logging.DEBUG if guard is not None and not guard.authenticated else logging.WARNING
+        log.log(level, "dropping a connection after a malformed frame: %s", exc)
     finally:
         pending = list(tasks.values())
         for task in pending:

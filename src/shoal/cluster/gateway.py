@@ -42,6 +42,7 @@ from shoal.errors import (
     ShoalError,
     UnsupportedKindError,
 )
+from shoal.netguard import ConnectionGuard, serve_tcp
 from shoal.protocol import ErrorInfo, Request, Response, combine_status, merge_image_lists
 
 log = logging.getLogger("shoal.gateway")
@@ -209,9 +210,13 @@ class Gateway:
 
     # ------------------------------------------------------------------ serving clients
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def handle(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, guard: ConnectionGuard | None = None
+    ) -> None:
         self.connections += 1
         state: dict[str, Identity | None] = {"identity": None}
+        if guard is not None:
+            guard.is_authenticated = lambda: state["identity"] is not None
 
         def send(message: Response) -> None:
             if not writer.is_closing():
@@ -223,7 +228,7 @@ class Gateway:
 
         try:
             await protocol.dispatch_requests(
-                reader, lambda request: self._serve(request, send, state), after_each=drain
+                reader, lambda request: self._serve(request, send, state), after_each=drain, guard=guard
             )
         finally:
             self.connections -= 1
@@ -577,7 +582,7 @@ async def serve(gateway: Gateway, where: str, http: str | None, addr_file: str |
     from shoal.node.tcp import parse_hostport
 
     host, port = parse_hostport(where)
-    server = await asyncio.start_server(gateway.handle, host, port, backlog=4096, limit=1 << 24)
+    server = await serve_tcp(gateway.handle, host, port, name=f"gateway {gateway.name}")
     bound = server.sockets[0].getsockname()
     closers = []
     if http:

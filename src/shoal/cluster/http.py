@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from shoal.errors import (
     SandboxLostError,
     ShoalError,
 )
+from shoal.netguard import serve_tcp
 from shoal.node.tcp import parse_hostport
 
 _STATUS = [
@@ -38,16 +40,32 @@ _STATUS = [
 
 
 async def _start(app: web.Application, where: str, addr_file: Any = None) -> Callable[[], Awaitable[None]]:
-    """Serve `app` on host:port (port 0: any free one); write the bound host:port to `addr_file` if given."""
+    """Serve `app` on host:port (port 0: any free one); write the bound host:port to `addr_file` if given.
+
+    Connections come through shoal.netguard (per-peer caps, EMFILE back-off); one that has not sent a
+    request within the auth timeout is closed, and aiohttp closes idle keep-alive ones."""
     host, port = parse_hostport(where)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=30)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    listener = await serve_tcp(None, host, port, name="http", protocol_factory=runner.server)
     if addr_file is not None:
-        bound = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
+        bound = listener.sockets[0].getsockname()
         Path(addr_file).write_text(f"{bound[0]}:{bound[1]}\n")
-    return runner.cleanup
+
+    async def close() -> None:
+        listener.close()
+        await listener.wait_closed()
+        await runner.cleanup()
+
+    return close
+
+
+@web.middleware
+async def _seen(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Any:
+    """A request arrived whole (headers parsed): the connection is past netguard's first-request deadline."""
+    if request.transport is not None:
+        request.transport._shoal_authenticated = True  # type: ignore[attr-defined]
+    return await handler(request)
 
 
 async def serve_node_http(server: Any, where: str, home: Any = None) -> Callable[[], Awaitable[None]]:
@@ -59,7 +77,7 @@ async def serve_node_http(server: Any, where: str, home: Any = None) -> Callable
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "node_id": server.service.settings.node_id})
 
-    app = web.Application()
+    app = web.Application(middlewares=[_seen], client_max_size=1 << 16)
     app.add_routes([web.get("/metrics", metrics), web.get("/healthz", healthz)])
     return await _start(app, where, None if home is None else Path(home) / "node.http")
 
@@ -79,11 +97,32 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+MAX_BODY = int(os.environ.get("SHOAL_HTTP_MAX_BODY", str(64 << 20)))
+PUBLIC = {"/healthz", "/metrics", "/openapi.json"}
+
+
 async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) -> Callable[[], Awaitable[None]]:
-    async def call(request: web.Request, op: str, args: dict[str, Any]) -> web.Response:
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
+        """The token is checked from the headers before any body is read (an unauthenticated peer cannot
+        make the gateway buffer one); bodies are capped at MAX_BODY (SHOAL_HTTP_MAX_BODY, 413 above)."""
+        if request.path in PUBLIC:
+            return await handler(request)
         try:
             header = request.headers.get("Authorization", "")
-            ident = gateway.tokens.authenticate(header.removeprefix("Bearer ").strip() or None)
+            request["identity"] = gateway.tokens.authenticate(header.removeprefix("Bearer ").strip() or None)
+        except ShoalError as exc:
+            return _error(exc)
+        if request.content_length is not None and request.content_length > MAX_BODY:
+            return web.json_response(
+                {"error": "InvalidRequestError", "message": f"body over {MAX_BODY} bytes (SHOAL_HTTP_MAX_BODY)"},
+                status=413,
+            )
+        return await handler(request)
+
+    async def call(request: web.Request, op: str, args: dict[str, Any]) -> web.Response:
+        try:
+            ident = request["identity"]
             result = msgspec.to_builtins(
                 await gateway.dispatch(ident, op, args, lambda _e: None), builtin_types=(bytes,)
             )
@@ -149,7 +188,7 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
     async def openapi(_request: web.Request) -> web.Response:
         return web.json_response(OPENAPI)
 
-    app = web.Application(client_max_size=256 << 20)
+    app = web.Application(middlewares=[_seen, authenticate], client_max_size=MAX_BODY)
     app.add_routes(
         [
             web.post("/v1/sandboxes", create),

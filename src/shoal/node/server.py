@@ -64,10 +64,13 @@ class NodeServer:
         # called as observer(op, seconds, error_type_or_None) after each request (metrics)
         self.observers: list[Callable[[str, float, str | None], None]] = []
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: Any = None) -> None:
+    async def handle(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: Any = None, guard: Any = None
+    ) -> None:
         """Serve one connection. `session` (TCP: a token-authenticated project, see node/tcp.py) wraps each
         request: `session.serve(request)` answers its own ops (`session.ops`), `session.call(op, args,
-        invoke)` checks and rewrites the others around `invoke(args)`."""
+        invoke)` checks and rewrites the others around `invoke(args)`. `guard` (shoal.netguard) holds a TCP peer
+        to its pre-auth and idle limits."""
         self.connections += 1
         lock = asyncio.Lock()
 
@@ -80,7 +83,10 @@ class NodeServer:
         try:
             # a step whose client is gone finishes and is logged (detached), then the task is cancelled
             await protocol.dispatch_requests(
-                reader, lambda request: self._serve(request, send, session), abandon=detached_tasks.add
+                reader,
+                lambda request: self._serve(request, send, session),
+                abandon=detached_tasks.add,
+                guard=guard,
             )
         finally:
             self.connections -= 1

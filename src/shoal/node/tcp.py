@@ -17,6 +17,7 @@ from typing import Any
 
 from shoal.cluster.auth import PROJECT_LABEL, Identity, Tokens, Usage, cost, sandbox_of
 from shoal.errors import AuthenticationError, SandboxNotFoundError
+from shoal.netguard import ConnectionGuard, Listener, serve_tcp
 from shoal.node.server import NodeServer
 from shoal.node.service import NodeService
 from shoal.protocol import Request
@@ -127,16 +128,19 @@ def parse_hostport(text: str, default_host: str = "0.0.0.0") -> tuple[str, int]:
         raise ValueError(f"{text!r} is not host:port (e.g. 0.0.0.0:7400, or :0 for any free port)") from None
 
 
-async def listen(server: NodeServer, tokens: Tokens, where: str, home: Path) -> asyncio.Server:
-    """Serve the node protocol on TCP at `where` (host:port) and write the bound address to home/node.addr."""
+async def listen(server: NodeServer, tokens: Tokens, where: str, home: Path) -> Listener:
+    """Serve the node protocol on TCP at `where` (host:port) and write the bound address to home/node.addr.
+    Peers are held to shoal.netguard's limits until they authenticate (and after, per address and idle)."""
     projects = NodeProjects(server.service, tokens)
     server.projects = projects  # type: ignore[attr-defined]
     host, port = parse_hostport(where)
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await server.handle(reader, writer, ProjectSession(projects))
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, guard: ConnectionGuard) -> None:
+        session = ProjectSession(projects)
+        guard.is_authenticated = lambda: session.identity is not None
+        await server.handle(reader, writer, session, guard)
 
-    tcp = await asyncio.start_server(handle, host, port, backlog=4096, limit=1 << 24)
+    tcp = await serve_tcp(handle, host, port, name="node tcp")
     bound = tcp.sockets[0].getsockname()
     (home / "node.addr").write_text(f"{bound[0]}:{bound[1]}\n")
     log.info("node protocol on tcp %s:%d (token required)", bound[0], bound[1])
