@@ -198,3 +198,23 @@ def sb(client: shoal.Client) -> Iterator[shoal.Sandbox]:
 def tiny(client: shoal.Client) -> Iterator[shoal.Sandbox]:
     with client.create("container", image="busybox", pool=False) as sandbox:
         yield sandbox
+
+
+# The Debian archive's index: what tests of outside network fetch (PyPI, Debian and npm are reachable here)
+DEBIAN_RELEASE = "http://deb.debian.org/debian/dists/bookworm/Release"
+FETCH = """
+import sys, urllib.request
+print(urllib.request.urlopen(sys.argv[1], timeout=20).read(4096).decode(errors="replace"))
+"""
+
+
+def outside_network() -> str | None:
+    """Why this machine cannot reach the Debian archive (None if it can): tests needing it skip saying so."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(DEBIAN_RELEASE, timeout=20) as answer:
+            answer.read(64)
+    except OSError as exc:
+        return f"this machine cannot fetch {DEBIAN_RELEASE} itself ({exc})"
+    return None

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, layer_mounts
+from conftest import DEBIAN_RELEASE, FETCH, NodeProcess, layer_mounts, outside_network
 from ocitools import Entry, layer_tar, write_oci_layout
 
 import shoal
@@ -137,6 +137,23 @@ def test_a_failing_step_names_the_step_and_leaves_nothing(client: shoal.Client, 
         client.build_image(name, shoal.Image.from_("busybox").run("true", "echo oops >&2; exit 3"))
     assert name not in client.images()
     assert not [s for s in client.list() if s.labels.get("shoal.build")]
+
+
+def test_build_steps_reach_the_network_like_dockers(client: shoal.Client) -> None:
+    if (why := outside_network()) is not None:
+        pytest.skip(why)
+    name = _unique("netbuild")
+    fetch = f"python3 -c '{FETCH}' {DEBIAN_RELEASE} > /release && getent hosts deb.debian.org > /resolved"
+    client.build_image(name, shoal.Image.from_("debian").run(fetch), no_cache=True)
+    with client.create(image=name, pool=False) as built, client.create(image="debian", pool=False) as base:
+        assert "Codename: bookworm" in built.files.read_text("/release")
+        assert "deb.debian.org" in built.files.read_text("/resolved")
+        resolv = "cat /etc/resolv.conf 2>&1; true"  # the build's resolver address is not baked into the image
+        assert built.exec(resolv).stdout == base.exec(resolv).stdout
+    with pytest.raises(shoal.ImageError, match="step 1"):  # offline on request
+        client.build_image(name + "-b", shoal.Image.from_("debian").run(fetch), no_cache=True, network="none")
+    with pytest.raises(shoal.InvalidRequestError, match="network"):
+        client.build_image(name + "-b", shoal.Image.from_("debian").run("true"), network="ftp://nowhere")
 
 
 def test_gc_never_removes_a_layer_a_live_sandbox_uses(client: shoal.Client, tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, no_leftovers
+from conftest import DEBIAN_RELEASE, FETCH, NodeProcess, no_leftovers, outside_network
 
 import shoal
 
@@ -193,25 +193,6 @@ def test_names_presets_and_dns(nclient: shoal.Client, hosts: tuple[EchoHost, Ech
                        "getent hosts mirror-a.test").stdout.split() == [a.address, "mirror-a.test"]  # fmt: skip
         got = reach(sb, "mirror-a.test:8080", f"{b.address}:8080")
         assert got == {"mirror-a.test:8080": "open", f"{b.address}:8080": "closed"}
-
-
-FETCH = """
-import sys, urllib.request
-print(urllib.request.urlopen(sys.argv[1], timeout=20).read(4096).decode(errors="replace"))
-"""
-DEBIAN_RELEASE = "http://deb.debian.org/debian/dists/bookworm/Release"
-
-
-def outside_network() -> str | None:
-    """Why this machine cannot reach the Debian archive (None if it can): tests needing it skip saying so."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(DEBIAN_RELEASE, timeout=20) as answer:
-            answer.read(64)
-    except OSError as exc:
-        return f"this machine cannot fetch {DEBIAN_RELEASE} itself ({exc})"
-    return None
 
 
 def test_any_host_policy_resolves_names(nclient: shoal.Client, hosts: tuple[EchoHost, EchoHost]) -> None:

@@ -141,7 +141,7 @@ def cmd_image(args: argparse.Namespace) -> int:
                         f"step {step['step']:>2} {step['op']:<10} {'cached' if step['cached'] else 'built'}", flush=True
                     )
 
-                report = client.build_image(name, recipe, no_cache=args.no_cache, on_step=show)
+                report = client.build_image(name, recipe, no_cache=args.no_cache, network=args.network, on_step=show)
                 print(f"{name}: {len(report['layers'])} layers")
             else:
                 print(json.dumps(client.build_image(name or "debian", force=args.force)))
@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     image.add_argument("-f", "--file", help="build: the Dockerfile")
     image.add_argument("--context", help="build: the directory COPY reads from (default: the Dockerfile's)")
     image.add_argument("--no-cache", action="store_true")
+    image.add_argument("--network", help="build: RUN steps' network policy (default: the node's, the internet)")
     image.add_argument("--force", action="store_true")
     image.set_defaults(func=cmd_image)
     log = sub.add_parser("log", help="show or export (JSONL) a sandbox's trajectory log")

@@ -58,6 +58,9 @@ class NodeSettings:
     max_sandboxes: int = 20000
     cgroup_parent: str = "shoal"
     log_retention_s: float = 7 * 86400  # trajectory logs of closed sandboxes are kept this long
+    # the network policy of image build steps (RUN): like Docker's build, the public internet by default
+    # (private ranges stay shut); SHOAL_BUILD_NETWORK=none builds offline, or name presets/rules
+    build_network: str = "*"
 
     @classmethod
     def from_env(cls, home: Path | None = None) -> NodeSettings:
@@ -72,6 +75,7 @@ class NodeSettings:
             max_sandboxes=int(os.environ.get("SHOAL_MAX_SANDBOXES", "20000")),
             cgroup_parent=os.environ.get("SHOAL_CGROUP_PARENT") or default_cgroup_parent(home),
             log_retention_s=float(os.environ.get("SHOAL_LOG_RETENTION_S", str(7 * 86400))),
+            build_network=os.environ.get("SHOAL_BUILD_NETWORK", "*"),
         )
 
 

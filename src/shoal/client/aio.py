@@ -289,14 +289,19 @@ class AsyncClient:
         *,
         force: bool = False,
         no_cache: bool = False,
+        network: str | list[str] | dict[str, bool] | None = None,
         on_step: Callable[[dict[str, Any]], Any] | None = None,
     ) -> dict[str, Any]:
         """Build `image` (an `ImageBuilder`) as `name`, or without one the builtin image `name`.
 
+        RUN steps reach the network as `network` says (a policy as for `create`); by default the node's
+        build policy, the public internet as in Docker's build ("none" builds offline).
         `on_step({"step", "op", "cached", "layer"})` is called as each step completes."""
         if image is None:
             return await self.call("image_build", {"name": name, "force": force})
         args = {"name": name, "base": image.base, "steps": list(image.steps), "no_cache": no_cache or force}
+        if network is not None:
+            args["network"] = network
         return await self.call("image_build", args, on_event=on_step)
 
     async def images(self) -> list[str]:

@@ -12,6 +12,8 @@ import hashlib
 import io
 import json
 import logging
+import os
+import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -163,11 +165,13 @@ class NodeImages:
         base: str,
         steps: list[dict[str, Any]],
         no_cache: bool = False,
+        network: Any = None,
         emit: Emit | None = None,
     ) -> dict[str, Any]:
-        """Run build steps over `base`; each RUN or COPY becomes one layer, cached by (parent chain, step)."""
+        """Run build steps over `base`; each RUN or COPY becomes one layer, cached by (parent chain, step).
+        RUN steps run with the network policy `network` (not part of the cache key, as in Docker)."""
         async with self._writing():
-            return await self._build(service, name, base, steps, no_cache, emit)
+            return await self._build(service, name, base, steps, no_cache, network, emit)
 
     async def _build(
         self,
@@ -176,6 +180,7 @@ class NodeImages:
         base: str,
         steps: list[dict[str, Any]],
         no_cache: bool,
+        network: Any,
         emit: Emit | None,
     ) -> dict[str, Any]:
         image = await self._ensure(base) if base != "scratch" else Image("scratch", (), ImageConfig(), ())
@@ -209,7 +214,7 @@ class NodeImages:
             if op == "copy":
                 diff_id = await asyncio.to_thread(self.store.add_layer_tar, io.BytesIO(step["tar"]))
             else:
-                diff_id = await self._run_step(service, layers, config, step, number)
+                diff_id = await self._run_step(service, layers, config, step, number, network)
             self.store.cache_put(key, diff_id)
             layers.append(diff_id)
             await _report(report, {"step": number, "op": op, "cached": False, "layer": diff_id}, emit)
@@ -217,12 +222,20 @@ class NodeImages:
         return {"name": name, "layers": layers, "steps": report}
 
     async def _run_step(
-        self, service: NodeService, layers: list[str], config: ImageConfig, step: dict[str, Any], number: int
+        self,
+        service: NodeService,
+        layers: list[str],
+        config: ImageConfig,
+        step: dict[str, Any],
+        number: int,
+        network: Any = None,
     ) -> str:
         if not layers:
             raise ImageError(f"step {number}: RUN needs a base image with a shell (FROM scratch has none)")
         image = Image("build", tuple(self.store.layer_dir(d) for d in layers), config, tuple(layers))
-        spec = SandboxSpec(image="build", pool=False, workdir=config.workdir, labels={"shoal.build": "1"})
+        spec = SandboxSpec(
+            image="build", pool=False, workdir=config.workdir, labels={"shoal.build": "1"}, network=network or "none"
+        )
         if config.user and config.user not in ("0", "0:0", "root"):
             spec.user = config.user
         sandbox = await service._spawn(spec, image)
@@ -234,6 +247,9 @@ class NodeImages:
                 tail = (result.stdout + result.stderr)[-2000:].decode(errors="replace")
                 why = "timed out" if result.timed_out else f"exited {result.exit_code}"
                 raise ImageError(f"build step {number} (RUN {cmd!r}) {why}:\n{tail}")
+            if sandbox.resolv_written:  # the node's resolver address is the build's, not the image's
+                upper = Path(sandbox.instance.extra.get("upper") or sandbox.instance.directory / "upper")
+                await asyncio.to_thread(_forget_upper_file, upper, "etc", "resolv.conf")
             return await self.snapshot_layer(service, sandbox)
         finally:
             await service.kill(sandbox.id, reason="build step done")
@@ -347,3 +363,25 @@ def _apply_config(config: ImageConfig, step: dict[str, Any]) -> ImageConfig:
     if op in ("cmd", "entrypoint", "shell"):
         return dataclasses.replace(config, **{op: list(value) if isinstance(value, list) else ["/bin/sh", "-c", value]})
     raise InvalidRequestError(f"unknown config step {op!r}")
+
+
+def _forget_upper_file(upper: Path, directory: str, name: str) -> None:
+    """Remove `directory/name` from an overlay upper directory (the lower layers' file shows again),
+    never following a link the sandbox planted there."""
+    try:
+        top = os.open(upper, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        inner = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+    except OSError:
+        return
+    finally:
+        os.close(top)
+    try:
+        if not stat.S_ISDIR(os.stat(name, dir_fd=inner, follow_symlinks=False).st_mode):
+            os.unlink(name, dir_fd=inner)
+    except OSError:
+        pass
+    finally:
+        os.close(inner)

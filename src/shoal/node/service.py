@@ -368,8 +368,11 @@ class NodeService:
         if network.normalise(spec.network):
             await self._apply_network(sandbox, spec.network)
 
+    async def _resolve_policy(self, spec: network.NetworkSpec) -> network.Policy:
+        return await network.resolve(spec, self.network.config)
+
     async def _apply_network(self, sandbox: Sandbox, spec: network.NetworkSpec) -> dict[str, Any]:
-        policy = await network.resolve(spec, self.network.config)
+        policy = await self._resolve_policy(spec)
         pid = sandbox.instance.extra.get("pid")
         if pid is None:
             raise InvalidRequestError(
@@ -924,14 +927,20 @@ class NodeService:
         base: str | None = None,
         steps: list[dict[str, Any]] | None = None,
         no_cache: bool = False,
+        network: Any = None,
         emit: Emit | None = None,
     ) -> dict[str, Any]:
         """Build a builtin image (no `steps`), or `steps` over image `base` (see shoal.images.builder);
-        streams one event per step as it completes."""
+        streams one event per step as it completes. RUN steps get `network` (default: the node's
+        `build_network`, the public internet as in Docker's build)."""
         if steps is None:
             image = await asyncio.to_thread(self.images.build, name, force=force)
             return {"name": image.name, "layers": list(image.layer_ids)}
-        return await self.node_images.build(self, name, base or "scratch", steps, no_cache=no_cache, emit=emit)
+        policy = self.settings.build_network if network is None else network
+        await self._resolve_policy(policy)  # a bad policy fails before any step runs
+        return await self.node_images.build(
+            self, name, base or "scratch", steps, no_cache=no_cache, network=policy, emit=emit
+        )
 
     async def image_list(self) -> list[str]:
         return sorted(self.images.names())
