@@ -99,6 +99,31 @@ def test_pids_limit(client: shoal.Client, node) -> None:  # noqa: ANN001
         assert sb.exec("echo recovered").stdout == "recovered\n"
 
 
+def test_cpu_weights_of_the_sandboxes_and_of_each(client: shoal.Client, node) -> None:  # noqa: ANN001
+    """Sandboxes together weigh like one busy host process per CPU (not like one process for them all), and
+    each weighs 1024 per core it asked for, so `cpu=2` gets twice a default sandbox's time under contention."""
+    import os
+
+    from shoal import cgroups
+
+    def weight(path: str) -> int:
+        rel = path.strip("/")
+        if cgroups.layout() == "v2":
+            return int((cgroups.ROOT / rel / "cpu.weight").read_text())
+        return int((cgroups.ROOT / "cpu" / rel / "cpu.shares").read_text())
+
+    per_process = 100 if cgroups.layout() == "v2" else 1024
+    assert weight(node.cgroup_parent) == per_process * (os.cpu_count() or 1)
+    with client.create(image="busybox", pool=False) as plain, client.create(image="busybox", cpu=2, pool=False) as big:
+        first, second = weight(f"{node.cgroup_parent}/{plain.id}"), weight(f"{node.cgroup_parent}/{big.id}")
+        if cgroups.layout() == "v2":  # the runtime converts shares to a weight (1024 -> 39, 2048 -> 79)
+            assert second > 1.9 * first
+        else:
+            assert (first, second) == (1024, 2048)
+        with client.create(image="busybox", cpu=0.5, pool=False) as small:
+            assert weight(f"{node.cgroup_parent}/{small.id}") < first
+
+
 def test_cpu_quota(client: shoal.Client) -> None:
     with client.create(image="debian", cpu=0.25, pool=False) as sb:
         r = sb.exec(

@@ -49,6 +49,23 @@ def oom_kills(path: str) -> int:
     return 0
 
 
+def set_parent_cpu_weight(path: str, cpus: float) -> Path | None:
+    """Create the sandboxes' parent cgroup `path` in the cpu hierarchy and weigh it like `cpus` busy host
+    processes, so sandboxes together compete with the host's processes as that many of them would (made by
+    the runtime, the parent would weigh as one process for all sandboxes). Returns the file written."""
+    rel = path.strip("/")
+    if layout() == "v2":
+        directory, name, value = ROOT / rel, "cpu.weight", max(1, min(10000, round(100 * cpus)))
+    else:
+        directory, name, value = ROOT / "cpu" / rel, "cpu.shares", max(2, min(262144, round(1024 * cpus)))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_text(str(value))
+    except OSError:  # no cpu controller here (v2 without it delegated): the runtime's defaults stand
+        return None
+    return directory / name
+
+
 def procs(path: str) -> list[int]:
     found: set[int] = set()
     for directory in sandbox_dirs(path):

@@ -61,6 +61,8 @@ class NodeSettings:
     # the network policy of image build steps (RUN): like Docker's build, the public internet by default
     # (private ranges stay shut); SHOAL_BUILD_NETWORK=none builds offline, or name presets/rules
     build_network: str = "*"
+    # the CPU weight of all sandboxes together, in busy host processes (default: one per CPU of the host)
+    sandboxes_cpu_weight: float = 0.0
 
     @classmethod
     def from_env(cls, home: Path | None = None) -> NodeSettings:
@@ -76,6 +78,7 @@ class NodeSettings:
             cgroup_parent=os.environ.get("SHOAL_CGROUP_PARENT") or default_cgroup_parent(home),
             log_retention_s=float(os.environ.get("SHOAL_LOG_RETENTION_S", str(7 * 86400))),
             build_network=os.environ.get("SHOAL_BUILD_NETWORK", "*"),
+            sandboxes_cpu_weight=float(os.environ.get("SHOAL_SANDBOXES_CPU_WEIGHT", "0")),
         )
 
 

@@ -103,6 +103,8 @@ class NodeService:
     async def start(self) -> None:
         _shield_node_from_oom_killer()
         self.paths.sandboxes.mkdir(parents=True, exist_ok=True)
+        weight = self.settings.sandboxes_cpu_weight or os.cpu_count() or 1
+        cgroups.set_parent_cpu_weight(f"/{self.settings.cgroup_parent}", weight)
         await asyncio.to_thread(self.node_images.reconcile)  # before adoption re-acquires layers
         await self.reconcile()  # re-adopts what still runs; the rest is remembered as lost
         await self.network.cleanup_all()  # plumbing of an earlier node's sandboxes (adoption skips networked ones)
