@@ -228,6 +228,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(count=args.count, image=args.image, concurrency=args.concurrency, home=args.home)
 
 
+def cmd_e2b(args: argparse.Namespace) -> int:
+    from shoal.e2b.server import main as serve_e2b
+
+    rest = list(args.rest)
+    if args.address and "--target" not in rest:
+        rest += ["--target", args.address]
+    return serve_e2b(rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shoal", description=shoal.__doc__.splitlines()[0])
     parser.add_argument("--home", help="node state directory (default $SHOAL_HOME or /var/lib/shoal)")
@@ -305,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument("--resource", help="only Ray nodes offering this custom resource run shoal")
     cluster.add_argument("--wait-nodes", type=int, default=1)
     cluster.set_defaults(func=cmd_cluster)
+    e2b = sub.add_parser("e2b", help="serve E2B's API (unmodified e2b SDK programs) backed by shoal; docs/E2B.md")
+    e2b.add_argument("action", choices=["serve"])
+    e2b.add_argument(
+        "rest", nargs=argparse.REMAINDER, help="--listen HOST:PORT --target shoal://... --template N=IMAGE"
+    )
+    e2b.set_defaults(func=cmd_e2b)
     top = sub.add_parser("top", help="live view of a cluster (through a gateway)")
     top.add_argument("--ray-address", help="find the gateway through this Ray cluster")
     top.add_argument("--interval", type=float, default=1.0)

@@ -1,0 +1,3 @@
+from shoal.e2b.server import main
+
+raise SystemExit(main())

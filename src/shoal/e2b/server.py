@@ -1,0 +1,171 @@
+"""`shoal e2b serve`: one HTTP port that answers both E2B's control-plane API and envd, backed by shoal.
+
+Point an unmodified E2B program at it with the SDK's own settings:
+
+    E2B_API_URL=http://HOST:PORT E2B_SANDBOX_URL=http://HOST:PORT E2B_API_KEY=<shoal token> python agent.py
+
+The SDK sends every in-sandbox request to `E2B_SANDBOX_URL` with the headers `E2b-Sandbox-Id` and
+`E2b-Sandbox-Port`, so one port routes them all: envd's port (49983) to the Connect services and file routes,
+the code interpreter's port (49999) to `interpreter.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+import signal
+from pathlib import Path
+
+from aiohttp import web
+from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
+from e2b.envd.process.process_connect import ProcessASGIApplication
+
+from shoal.e2b import interpreter
+from shoal.e2b.api import ControlPlane, api_key, error_response
+from shoal.e2b.asgi import call_asgi
+from shoal.e2b.backend import Backend, Target
+from shoal.e2b.envd import FilesystemService, Processes, ProcessService
+from shoal.errors import InvalidRequestError, NotFoundError
+from shoal.node.tcp import parse_hostport
+
+
+def _envd_caller(request: web.Request) -> tuple[str | None, str]:
+    sandbox_id = request.headers.get("E2b-Sandbox-Id")
+    if not sandbox_id:
+        raise InvalidRequestError("no E2b-Sandbox-Id header: set E2B_SANDBOX_URL to this server")
+    return request.headers.get("X-Access-Token") or api_key(request), sandbox_id
+
+
+class E2BServer:
+    def __init__(self, target: Target) -> None:
+        self.backend = Backend(target)
+        self.processes = Processes()
+        self.control = ControlPlane(self.backend)
+        self.rpc = {
+            "/process.Process/": ProcessASGIApplication(ProcessService(self.backend, self.processes)),
+            "/filesystem.Filesystem/": FilesystemASGIApplication(FilesystemService(self.backend)),
+        }
+        self.interpreter = interpreter.Interpreter(self.backend)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.add_routes(self.control.routes())
+        app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/files", self.download),
+                web.post("/files", self.upload),
+                *self.interpreter.routes(),
+                web.post("/process.Process/{method}", self.connect_rpc),
+                web.post("/filesystem.Filesystem/{method}", self.connect_rpc),
+            ]
+        )
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _cleanup(self, _app: web.Application) -> None:
+        await self.processes.close()
+        await self.backend.close()
+
+    async def connect_rpc(self, request: web.Request) -> web.StreamResponse:
+        prefix = request.path[: request.path.rindex("/") + 1]
+        return await call_asgi(self.rpc[prefix], request)
+
+    async def health(self, request: web.Request) -> web.Response:
+        try:
+            token, sandbox_id = _envd_caller(request)
+            sandbox = await self.backend.sandbox(token, sandbox_id)
+            await sandbox.refresh()
+        except Exception as exc:
+            return error_response(exc)
+        return web.Response(status=204)
+
+    async def download(self, request: web.Request) -> web.StreamResponse:
+        try:
+            token, sandbox_id = _envd_caller(request)
+            path = request.query.get("path") or ""
+            sandbox = await self.backend.sandbox(token, sandbox_id)
+            entry = await sandbox.files.stat(path)
+            if entry is None:
+                raise NotFoundError(f"no such file: {path}")
+            if entry.kind == "dir":
+                raise InvalidRequestError(f"{path} is a directory")
+            data = await sandbox.files.read(path)
+        except Exception as exc:
+            return error_response(exc)
+        return web.Response(body=data, content_type="application/octet-stream")
+
+    async def upload(self, request: web.Request) -> web.StreamResponse:
+        try:
+            token, sandbox_id = _envd_caller(request)
+            sandbox = await self.backend.sandbox(token, sandbox_id)
+            query_path = request.query.get("path")
+            files: list[tuple[str, bytes]] = []
+            if request.content_type.startswith("multipart/"):
+                reader = await request.multipart()
+                async for part in reader:
+                    if part.name != "file":  # type: ignore[union-attr]
+                        continue
+                    data = await part.read()  # type: ignore[union-attr]
+                    files.append((part.filename or query_path or "", bytes(data)))  # type: ignore[union-attr]
+                if len(files) == 1 and query_path:
+                    files = [(query_path, files[0][1])]
+            else:
+                files.append((query_path or "", await request.read()))
+            written = []
+            for path, data in files:
+                if not path:
+                    raise InvalidRequestError("upload without a path")
+                parent = posixpath.dirname(path)
+                if parent and await sandbox.files.stat(parent) is None:
+                    await sandbox.files.mkdir(parent)
+                await sandbox.files.write(path, data)
+                written.append({"name": posixpath.basename(path), "type": "file", "path": path})
+        except Exception as exc:
+            return error_response(exc)
+        return web.json_response(written)
+
+
+async def serve(target: Target, listen: str, addr_file: str | None = None) -> None:
+    """Serve until SIGTERM/SIGINT."""
+    host, port = parse_hostport(listen)
+    runner = web.AppRunner(E2BServer(target).app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
+    if addr_file:
+        Path(addr_file + ".tmp").write_text(f"{bound[0]}:{bound[1]}\n")
+        Path(addr_file + ".tmp").rename(addr_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="shoal e2b serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", default=None, help="shoal://host:port of a node or gateway (default: local node)")
+    parser.add_argument("--listen", default="127.0.0.1:3000", help="host:port to serve on (port 0: any free port)")
+    parser.add_argument("--addr-file", default=None, help="write the bound host:port here once serving")
+    parser.add_argument(
+        "--template", action="append", default=[], metavar="NAME=IMAGE", help="map an E2B template to a shoal image"
+    )
+    args = parser.parse_args(argv)
+    templates = dict(Target().templates)
+    templates.update(interpreter.TEMPLATES)
+    for item in args.template:
+        name, _, image = item.partition("=")
+        templates[name] = image
+    asyncio.run(serve(Target(args.target, tuple(templates.items())), args.listen, args.addr_file))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

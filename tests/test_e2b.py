@@ -1,0 +1,271 @@
+"""The unmodified, pinned `e2b` and `e2b-code-interpreter` SDKs against shoal (`shoal e2b serve`), configured
+only through the SDK's own environment variables, with the server in front of a real node and in front of a
+gateway over two nodes (docs/E2B.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import no_leftovers
+from e2b import (
+    AsyncSandbox,
+    AuthenticationException,
+    CommandExitException,
+    NotFoundException,
+    Sandbox,
+    SandboxException,
+    SandboxQuery,
+    TimeoutException,
+)
+
+from shoal.cluster.local import LocalCluster
+from shoal.e2b.local import LocalE2B
+
+PROJECTS = {"alice": {}, "bob": {}}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, dict[str, LocalE2B]]]:
+    workdir = tmp_path_factory.mktemp("e2b")
+    lc = LocalCluster(workdir / "cluster", nodes=2, projects=PROJECTS, prefix="e2")
+    servers: dict[str, LocalE2B] = {}
+    try:
+        gateway = lc.add_gateway()
+        servers["node"] = LocalE2B(f"shoal://{lc.nodes[0].address}", workdir, "e2b-node")
+        servers["gateway"] = LocalE2B(f"shoal://{gateway.address}", workdir, "e2b-gateway")
+        yield lc, servers
+    finally:
+        for server in servers.values():
+            server.stop()
+        lc.stop()
+    for node in lc.nodes:
+        assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
+@pytest.fixture(params=["node", "gateway"])
+def e2b_env(request: pytest.FixtureRequest, cluster, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY set to the server in front of a node or of a gateway."""
+    lc, servers = cluster
+    env = servers[request.param].env(lc.project_tokens["alice"])
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env
+
+
+@pytest.fixture
+def sbx(e2b_env: dict[str, str]) -> Iterator[Sandbox]:
+    sandbox = Sandbox.create(template="base", timeout=300, envs={"FROM_CREATE": "c1"})
+    yield sandbox
+    try:
+        sandbox.kill()
+    except NotFoundException:
+        pass
+
+
+def wait_for(condition, timeout: float = 60.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(interval)
+
+
+def test_commands_foreground_env_cwd_exit(sbx: Sandbox) -> None:
+    r = sbx.commands.run("echo out; echo err >&2; echo $FROM_CREATE $PER_CMD; pwd", envs={"PER_CMD": "p2"}, cwd="/tmp")
+    assert r.exit_code == 0
+    assert r.stdout == "out\nc1 p2\n/tmp\n"
+    assert r.stderr == "err\n"
+    with pytest.raises(CommandExitException) as info:
+        sbx.commands.run("echo partial; exit 3")
+    assert info.value.exit_code == 3 and info.value.stdout == "partial\n"
+
+
+def test_commands_streaming_callbacks(sbx: Sandbox) -> None:
+    out: list[str] = []
+    err: list[str] = []
+    r = sbx.commands.run("for i in 1 2 3; do echo o$i; echo e$i >&2; done", on_stdout=out.append, on_stderr=err.append)
+    assert "".join(out) == "o1\no2\no3\n" == r.stdout
+    assert "".join(err) == "e1\ne2\ne3\n" == r.stderr
+
+
+def test_commands_timeout(sbx: Sandbox) -> None:
+    started = time.monotonic()
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 60", timeout=1)
+    assert time.monotonic() - started < 50  # not the sleep's full minute (a generous bound, not a timing claim)
+    # the timed-out command was killed, not left running in the sandbox
+    count_sleepers = "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' '\\n' | grep -cx 60 || true"
+    wait_for(lambda: sbx.commands.run(count_sleepers).stdout.strip() == "0")
+
+
+def test_background_list_connect_kill(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("echo started; touch /tmp/bg; sleep 120", background=True, timeout=0)
+    assert handle.pid in [p.pid for p in sbx.commands.list()]
+    listed = next(p for p in sbx.commands.list() if p.pid == handle.pid)
+    assert listed.cmd == "/bin/bash" and listed.args[-1] == "echo started; touch /tmp/bg; sleep 120"
+    # a second client attaches to the running command
+    attached = sbx.commands.connect(handle.pid)
+    wait_for(lambda: sbx.files.exists("/tmp/bg"))
+    assert sbx.commands.kill(handle.pid) is True
+    with pytest.raises(CommandExitException):
+        attached.wait()
+    with pytest.raises(CommandExitException) as info:
+        handle.wait()
+    assert info.value.stdout == "started\n"
+    wait_for(lambda: handle.pid not in [p.pid for p in sbx.commands.list()])
+    assert sbx.commands.kill(handle.pid) is False  # gone
+
+
+def test_files(sbx: Sandbox) -> None:
+    info = sbx.files.write("/work/dir/a.txt", "hello")
+    assert info.path == "/work/dir/a.txt" and info.name == "a.txt"
+    assert sbx.files.read("/work/dir/a.txt") == "hello"
+    payload = bytes(range(256)) * 64
+    sbx.files.write("/work/dir/blob.bin", payload)
+    assert bytes(sbx.files.read("/work/dir/blob.bin", format="bytes")) == payload
+    assert sbx.files.make_dir("/work/dir/sub") is True
+    assert sbx.files.make_dir("/work/dir/sub") is False  # already there
+    sbx.files.write("/work/dir/sub/deep.txt", "d")
+    names = {e.name: e for e in sbx.files.list("/work/dir")}
+    assert set(names) == {"a.txt", "blob.bin", "sub"}
+    assert names["blob.bin"].size == len(payload) and names["sub"].type.value == "dir"
+    assert {e.path for e in sbx.files.list("/work/dir", depth=2)} >= {"/work/dir/sub/deep.txt"}
+    assert sbx.files.get_info("/work/dir/a.txt").size == 5
+    moved = sbx.files.rename("/work/dir/a.txt", "/work/dir/b.txt")
+    assert moved.path == "/work/dir/b.txt" and not sbx.files.exists("/work/dir/a.txt")
+    sbx.files.remove("/work/dir/sub")
+    assert not sbx.files.exists("/work/dir/sub")
+    with pytest.raises(NotFoundException):
+        sbx.files.read("/work/dir/missing.txt")
+    # the files are the command's files
+    assert sbx.commands.run("cat /work/dir/b.txt").stdout == "hello"
+
+
+def test_files_watch(sbx: Sandbox) -> None:
+    sbx.files.make_dir("/work/w")
+    handle = sbx.files.watch_dir("/work/w")
+    try:
+        sbx.files.write("/work/w/new.txt", "x")
+        events = wait_for(lambda: [e for e in handle.get_new_events() if e.name == "new.txt"])
+        assert events[0].type.name == "CREATE"
+        sbx.commands.run("rm /work/w/new.txt")
+        wait_for(lambda: [e for e in handle.get_new_events() if e.type.name == "REMOVE"])
+    finally:
+        handle.stop()
+
+
+def test_lifecycle_timeout_info_list_pause_connect(sbx: Sandbox, e2b_env: dict[str, str]) -> None:
+    tag = os.urandom(4).hex()
+    other = Sandbox.create(metadata={"suite": "e2b", "tag": tag}, timeout=120)
+    try:
+        info = other.get_info()
+        assert info.metadata == {"suite": "e2b", "tag": tag} and info.template_id == "base"
+        other.set_timeout(600)
+        assert other.get_info().end_at.timestamp() > time.time() + 500
+        found = Sandbox.list(query=SandboxQuery(metadata={"tag": tag})).next_items()
+        assert [s.sandbox_id for s in found] == [other.sandbox_id]
+        assert Sandbox.list(query=SandboxQuery(metadata={"tag": "nope" + tag})).next_items() == []
+        other.commands.run("echo kept > /work/state")
+        other.pause()
+        assert other.get_info().state.value == "paused"
+        # a new process (the creating client gone) connects, which resumes it, and sees its files
+        code = (
+            "from e2b import Sandbox; import sys; s = Sandbox.connect(sys.argv[1]);"
+            "print(s.commands.run('cat /work/state').stdout, end='')"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, other.sandbox_id],
+            env={**os.environ, **e2b_env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == "kept\n"
+        assert other.get_info().state.value == "running"
+    finally:
+        other.kill()
+    with pytest.raises(NotFoundException):
+        other.get_info()
+    assert other.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
+
+
+def test_auth_projects_and_templates(sbx: Sandbox, cluster, e2b_env: dict[str, str]) -> None:
+    lc, _servers = cluster
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="not-a-shoal-token")
+    bob = lc.project_tokens["bob"]
+    with pytest.raises(NotFoundException):  # alice's sandbox does not exist for bob
+        Sandbox.connect(sbx.sandbox_id, api_key=bob)
+    assert Sandbox.kill(sbx.sandbox_id, api_key=bob) is False  # E2B's answer for a sandbox it cannot find
+    assert sbx.sandbox_id not in [s.sandbox_id for s in Sandbox.list(api_key=bob).next_items()]
+    assert sbx.is_running()
+    with pytest.raises(SandboxException) as info:
+        Sandbox.create(template="no-such-template")
+    assert "no-such-template" in str(info.value) and "debian" in str(info.value)
+
+
+def test_async_sandbox(e2b_env: dict[str, str]) -> None:
+    async def main() -> None:
+        sbx = await AsyncSandbox.create(timeout=120, metadata={"kind": "async"})
+        try:
+            seen: list[str] = []
+            r = await sbx.commands.run("echo $X; cd /tmp && pwd", envs={"X": "y"}, on_stdout=seen.append)
+            assert r.stdout == "y\n/tmp\n" == "".join(seen)
+            with pytest.raises(TimeoutException):
+                await sbx.commands.run("sleep 60", timeout=1)
+            handle = await sbx.commands.run("sleep 120", background=True, timeout=0)
+            assert await sbx.commands.kill(handle.pid)
+            with pytest.raises(CommandExitException):
+                await handle.wait()
+            await sbx.files.write("/work/a.bin", b"\x00\x01bytes")
+            assert bytes(await sbx.files.read("/work/a.bin", format="bytes")) == b"\x00\x01bytes"
+            assert [e.name for e in await sbx.files.list("/work")] == ["a.bin"]
+            await sbx.files.make_dir("/work/d")
+            events: list = []
+            watch = await sbx.files.watch_dir("/work/d", on_event=events.append)
+            await sbx.files.write("/work/d/f", "1")
+            for _ in range(600):
+                if any(e.name == "f" for e in events):
+                    break
+                await asyncio.sleep(0.05)
+            await watch.stop()
+            assert any(e.name == "f" and e.type.name == "CREATE" for e in events)
+            await sbx.files.remove("/work/a.bin")
+            assert not await sbx.files.exists("/work/a.bin")
+            await sbx.set_timeout(200)
+            await sbx.pause()
+            again = await AsyncSandbox.connect(sbx.sandbox_id)
+            assert (await again.commands.run("ls /work")).stdout == "d\n"
+            listed = await AsyncSandbox.list(query=SandboxQuery(metadata={"kind": "async"})).next_items()
+            assert sbx.sandbox_id in [s.sandbox_id for s in listed]
+        finally:
+            await sbx.kill()
+        assert not await AsyncSandbox.list(query=SandboxQuery(metadata={"kind": "async"})).next_items()
+
+    asyncio.run(main())
+
+
+def test_code_interpreter_run_code(e2b_env: dict[str, str]) -> None:
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    with CodeSandbox.create(timeout=120) as sbx:
+        assert sbx.run_code("1+1").text == "2"
+        sbx.run_code("x = 40")  # a kernel: state persists between calls
+        execution = sbx.run_code("print('side'); x + 2")
+        assert execution.text == "42" and execution.logs.stdout == ["side\n"]
+        failed = sbx.run_code("1/0")
+        assert failed.error is not None and failed.error.name == "ZeroDivisionError"
+        context = sbx.create_code_context(cwd="/tmp")  # a second kernel, with its own state
+        assert sbx.run_code("import os; os.getcwd()", context=context).text == "'/tmp'"
+        assert sbx.run_code("'x' in dir()", context=context).text == "False"
+        sbx.restart_code_context(context)
+        sbx.remove_code_context(context)
