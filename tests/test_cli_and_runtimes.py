@@ -7,9 +7,10 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import NodeProcess
+from conftest import NodeProcess, no_leftovers
 
 import shoal
 
@@ -37,6 +38,47 @@ def test_doctor_names_what_it_checks() -> None:
     for name in ("runtime crun", "overlayfs", "cgroups", "kvm"):
         assert name in out.stdout
     assert out.returncode == 0, out.stdout
+
+
+def test_node_stop_closes_or_keeps_sandboxes_and_other_settings_warn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import warnings
+
+    from shoal import cgroups
+
+    node = NodeProcess(tmp_path / "home", f"shoal-test-stop-{os.getpid()}", SHOAL_OUTPUT_CAP="4096").start()
+
+    def stop(*args: str) -> str:
+        env = dict(os.environ, SHOAL_HOME=str(node.home))
+        done = subprocess.run([sys.executable, "-m", "shoal.cli", "node", "stop", *args], env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    try:
+        monkeypatch.setenv("SHOAL_OUTPUT_CAP", "8192")  # the node runs with 4096: the client is told
+        with pytest.warns(shoal.NodeSettingsWarning, match="SHOAL_OUTPUT_CAP.*shoal node stop"):
+            client = shoal.Client(home=str(node.home))
+        client.close()
+        monkeypatch.setenv("SHOAL_OUTPUT_CAP", "4096")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", shoal.NodeSettingsWarning)  # same settings: no warning
+            client = shoal.Client(home=str(node.home), autostart=False)
+        with client:
+            kept = client.create(image="busybox", pool=False, ttl_s=600)
+            kept.exec("echo before > /mark")
+        assert "keep running" in stop("--keep")
+        assert cgroups.procs(f"/{node.cgroup_parent}/{kept.id}"), "the kept sandbox must still run"
+        node.start()
+        with shoal.Client(home=str(node.home), autostart=False) as client:
+            assert kept.id in client.status()["adopted"]
+            assert client.get(kept.id).exec("cat /mark").stdout == "before\n"
+        assert "sandboxes were closed" in stop()
+        assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+        assert "no shoal node is running" in stop()
+    finally:
+        node.stop()
 
 
 def test_blocking_api_is_documented_and_typed() -> None:

@@ -28,6 +28,7 @@ from shoal.errors import (
     ImageNotFoundError,
     InvalidRequestError,
     NodeError,
+    NodeSettingsWarning,
     NotFoundError,
     QuotaExceededError,
     SandboxClosedError,
@@ -75,6 +76,7 @@ __all__ = [
     "SandboxSpec",
     "Shell",
     "ShoalError",
+    "NodeSettingsWarning",
     "UnsafeEntryWarning",
     "UnsupportedKindError",
 ]

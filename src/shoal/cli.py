@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
 import sys
 from pathlib import Path
 
 import shoal
+from shoal.config import Paths
 
 
 def _client(args: argparse.Namespace) -> shoal.Client:
@@ -96,8 +98,13 @@ def cmd_pause(args: argparse.Namespace) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from shoal.node.daemon import main
+    from shoal.node.daemon import main, stop_node
 
+    if args.home:
+        os.environ["SHOAL_HOME"] = args.home
+    if args.action == "stop":
+        print(stop_node(Paths.from_env(), keep=args.keep, timeout=args.timeout))
+        return 0
     return main()
 
 
@@ -260,7 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         pause.add_argument("ids", nargs="*")
         pause.add_argument("--label", action="append", default=[], help="k=v; repeat to require several")
         pause.set_defaults(func=cmd_pause)
-    sub.add_parser("node", help="run the node agent in the foreground").set_defaults(func=cmd_node)
+    node = sub.add_parser("node", help="run the node agent in the foreground, or stop the running one")
+    node.add_argument("action", nargs="?", choices=["run", "stop"], default="run")
+    node.add_argument(
+        "--keep", action="store_true", help="stop: leave re-adoptable sandboxes running (default: close all)"
+    )
+    node.add_argument("--timeout", type=float, default=120.0, help="stop: wait this long for the node to exit")
+    node.set_defaults(func=cmd_node)
     sub.add_parser("status", help="the node's figures").set_defaults(func=cmd_status)
     sub.add_parser("doctor", help="what this host can do, and remedies").set_defaults(func=cmd_doctor)
     image = sub.add_parser("image", help="images: ls pull push import export build inspect rm prune tag")

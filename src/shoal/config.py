@@ -88,3 +88,22 @@ def default_cgroup_parent(home: Path | None) -> str:
     if home is None or home == Path("/var/lib/shoal"):
         return "shoal"
     return f"shoal-{hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:10]}"
+
+
+# Read by clients, not by the node (or secret): left out when a client compares its settings with a node's
+CLIENT_ENV = frozenset({"SHOAL_TOKEN", "SHOAL_OWNER", "SHOAL_HOME", "SHOAL_READY_FD", "SHOAL_PARENT_PID"})
+
+
+def settings_env(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """Digests of the SHOAL_* variables that configure a node: a node reports those it started with so a
+    client can warn when its own differ (the local node keeps the settings of whoever started it).
+    Digests, not values: no variable's value (a path, a credential) leaves the node this way."""
+    return {
+        key: hashlib.sha256(value.encode()).hexdigest()[:16]
+        for key, value in env.items()
+        if key.startswith("SHOAL_")
+        and not key.startswith("SHOAL_TEST_")
+        and key not in CLIENT_ENV
+        and "TOKEN" not in key
+        and "AUTH" not in key
+    }

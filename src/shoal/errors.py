@@ -63,6 +63,11 @@ class QuotaExceededError(ShoalError):
     """The request would take the project past one of its quotas (sandboxes, CPU, memory)."""
 
 
+class NodeSettingsWarning(UserWarning):
+    """The running local node was started with other SHOAL_* settings than this client's environment has;
+    it keeps its own until it is restarted (`shoal node stop`, then connect again)."""
+
+
 class UnsafeEntryWarning(UserWarning):
     """A download skipped what the sandbox reported because it could lead outside the local target
     (a symlink to an absolute path or out through `..`, a name that is not a plain relative path)."""

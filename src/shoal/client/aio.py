@@ -18,8 +18,15 @@ from shoal.client import functions, localfs
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.client.transport import Connection
 from shoal.client.transport import _error as wire_error
-from shoal.config import Paths
-from shoal.errors import DivergenceError, NodeError, SandboxLostError, ShoalError, UnsafeEntryWarning
+from shoal.config import Paths, settings_env
+from shoal.errors import (
+    DivergenceError,
+    NodeError,
+    NodeSettingsWarning,
+    SandboxLostError,
+    ShoalError,
+    UnsafeEntryWarning,
+)
 from shoal.images.builder import ImageBuilder
 from shoal.protocol import OutputChunk, SandboxSpec
 from shoal.steps import describe, divergence_message, step_key
@@ -38,6 +45,24 @@ def _spec(kind: str, image: str, options: dict[str, Any]) -> dict[str, Any]:
     if files:
         options = dict(options, files={k: v.encode() if isinstance(v, str) else v for k, v in files.items()})
     return protocol.to_builtins(SandboxSpec(kind=kind, image=image, **options))
+
+
+async def _warn_if_settings_differ(conn: Connection, address: str) -> None:
+    """Warn (NodeSettingsWarning) if this process sets SHOAL_* variables the running node has other values
+    for (or none): the node keeps the settings it started with, so they would be silently ignored."""
+    try:
+        theirs = await conn.call("settings_env")
+    except ShoalError:  # an older node: it cannot say
+        return
+    differ = sorted(k for k, v in settings_env(os.environ).items() if theirs.get(k) != v)
+    if differ:
+        warnings.warn(
+            f"the shoal node at {address} was started with other values of {', '.join(differ)} than this "
+            "process has, and keeps its own; to apply yours, stop it (`shoal node stop`; add --keep to keep its "
+            "sandboxes) and connect again",
+            NodeSettingsWarning,
+            stacklevel=4,
+        )
 
 
 class AsyncClient:
@@ -96,10 +121,13 @@ class AsyncClient:
         if self._endpoints:
             return await self._open_tcp()
         try:
-            return await Connection.open_unix(self.address)
+            conn = await Connection.open_unix(self.address)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             if not self.autostart:
                 raise NodeError(f"no shoal node answers at {self.address}: start one with `shoal node`") from exc
+        else:
+            await _warn_if_settings_differ(conn, self.address)
+            return conn
         if os.geteuid() != 0:
             raise NodeError("no shoal node is running and starting one needs root: run as root or `sudo shoal node`")
         from shoal.node.daemon import spawn_background

@@ -65,7 +65,12 @@ def acquire_lock(paths: Paths) -> int:
     return fd
 
 
-async def serve(paths: Paths, settings: NodeSettings, ready_fd: int | None = None) -> None:
+KEEP_SIGNAL = signal.SIGUSR1  # `shoal node stop --keep`: stop, leaving re-adoptable sandboxes running
+
+
+async def serve(paths: Paths, settings: NodeSettings, ready_fd: int | None = None) -> bool:
+    """Serve until SIGTERM/SIGINT (close every sandbox) or KEEP_SIGNAL (keep the re-adoptable ones);
+    returns whether sandboxes were kept."""
     from shoal.node.server import NodeServer
     from shoal.node.service import NodeService
 
@@ -83,18 +88,31 @@ async def serve(paths: Paths, settings: NodeSettings, ready_fd: int | None = Non
         os.write(ready_fd, b"ready\n")
         os.close(ready_fd)
     loop = asyncio.get_running_loop()
+    keep = False
+
+    def keep_then_stop() -> None:
+        nonlocal keep
+        keep = True
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(KEEP_SIGNAL, keep_then_stop)
     try:
         await stop.wait()
     finally:
         for closer in network:
             await closer()
         server.close()
-        log.info("node shutting down: closing %d sandboxes", len(service.sandboxes))
-        await service.stop()
+        if keep:
+            kept = await service.stop_keeping()
+            log.info("node stopped; %d sandboxes keep running for the next node to re-adopt", len(kept))
+        else:
+            log.info("node shutting down: closing %d sandboxes", len(service.sandboxes))
+            await service.stop()
         if paths.socket.exists():
             paths.socket.unlink()
+    return keep
 
 
 async def _serve_network(server_impl, paths: Paths, stop: asyncio.Event) -> list:  # noqa: ANN001
@@ -122,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     host_ns = prepare_mount_namespace(paths)  # before any thread exists: unshare requires it
     ready_fd = int(os.environ.pop("SHOAL_READY_FD")) if "SHOAL_READY_FD" in os.environ else None
     try:
-        asyncio.run(serve(paths, settings, ready_fd))
-        release_mount_namespace(paths, host_ns)
+        if not asyncio.run(serve(paths, settings, ready_fd)):  # kept sandboxes still use the shared mount
+            release_mount_namespace(paths, host_ns)
     finally:
         os.close(lock_fd)
     return 0
@@ -168,3 +186,42 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def stop_node(paths: Paths, keep: bool = False, timeout: float = 120.0) -> str:
+    """Stop the node serving `paths` (the one whose pid is in its lock) and wait until it has exited.
+
+    Without `keep` every sandbox is closed (a clean shutdown leaves nothing); with it, re-adoptable
+    sandboxes keep running and the next node on this home adopts them. Returns what happened."""
+    import time
+
+    pid = running_pid(paths)
+    if pid is None:
+        return f"no shoal node is running for {paths.home}"
+    os.kill(pid, KEEP_SIGNAL if keep else signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while running_pid(paths) is not None:
+        if time.monotonic() > deadline:
+            raise NodeError(f"the node (pid {pid}) did not stop within {timeout:.0f} s; see its log {paths.log}")
+        time.sleep(0.1)
+    return f"stopped the shoal node for {paths.home} (pid {pid}); " + (
+        "re-adoptable sandboxes keep running until a node starts again" if keep else "its sandboxes were closed"
+    )
+
+
+def running_pid(paths: Paths) -> int | None:
+    """The pid of the node holding `paths`' lock, or None if none holds it."""
+    try:
+        fd = os.open(paths.lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = paths.lock.read_text().strip()
+            return int(text) if text.isdigit() else None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

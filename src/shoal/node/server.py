@@ -35,6 +35,7 @@ OPS = [
     "fn_call", "fn_run_code",
     "attach", "pause", "resume", "pause_all", "resume_all", "log_steps", "replay",
     "vm_snapshot", "vm_snapshot_delete", "fork",
+    "settings_env",
 ]  # fmt: skip
 
 

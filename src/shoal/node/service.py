@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from shoal import cgroups
-from shoal.config import NodeSettings, Paths
+from shoal.config import NodeSettings, Paths, settings_env
 from shoal.errors import (
     CapacityError,
     InvalidRequestError,
@@ -70,6 +70,7 @@ class NodeService:
     def __init__(self, paths: Paths, settings: NodeSettings) -> None:
         self.paths = paths
         self.settings = settings
+        self._started_env = dict(os.environ)  # what configured this node (clients compare theirs: settings_env)
         self.images = register_builtins(ImageStore(paths.images))
         self.node_images = NodeImages(self.images, paths.home / "layers")
         self.substrates: dict[str, Substrate] = {
@@ -133,6 +134,31 @@ class NodeService:
         for parent in cgroups.sandbox_dirs(f"/{self.settings.cgroup_parent}"):
             with contextlib.suppress(OSError):  # still holds a sandbox's cgroup: keep it
                 parent.rmdir()
+
+    async def stop_keeping(self) -> list[str]:
+        """Stop but leave running the sandboxes a restarted node re-adopts (containers without a network
+        policy), as a crash would; the rest (warm pools, functions, VMs, networked ones) are closed.
+        Until a node starts again on this home nothing reaps the kept ones (TTL, idle)."""
+        if self._reaper:
+            self._reaper.cancel()
+        await self.functions.stop()
+        await self.pools.drain()
+        await self._settle()
+        kept = [
+            i
+            for i, s in self.sandboxes.items()
+            if s.spec.kind == "container"
+            and not network.normalise(s.spec.network)
+            and s.state.value in ("ready", "paused")
+        ]
+        others = [i for i in self.sandboxes if i not in kept]
+        await asyncio.gather(*(self.kill(i, reason="node stopped (only re-adoptable sandboxes kept)") for i in others))
+        await self._settle()
+        self.trajectory.close()
+        await self.network.cleanup_all()
+        for substrate in self._vm_substrates():
+            substrate.delete_all_snapshots()
+        return kept
 
     async def _settle(self, timeout: float = 60.0) -> None:
         """Wait for creates and destroys in flight (a destroy outlives its cancelled request), so the
@@ -198,6 +224,10 @@ class NodeService:
 
     async def hello(self) -> dict[str, Any]:
         return {"node_id": self.settings.node_id, "pid": os.getpid(), "kinds": self.kinds()}
+
+    async def settings_env(self) -> dict[str, str]:
+        """Digests of the SHOAL_* settings this node started with (local socket only; see config.settings_env)."""
+        return settings_env(self._started_env)
 
     def kinds(self) -> list[str]:
         return sorted([*self.substrates, "function"])
