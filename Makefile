@@ -57,6 +57,8 @@ bench: setup
 bench-vm: setup
 	$(PY) bench/bench_vm.py
 
+# Style and layers: ruff, then the import contracts in pyproject.toml ([tool.importlinter]).
 lint: venv
 	$(VENV)/bin/ruff check src tests bench examples
 	$(VENV)/bin/ruff format --check src tests bench examples
+	PYTHONPATH=src $(VENV)/bin/lint-imports

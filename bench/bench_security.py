@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 
 import shoal
+from shoal.client.launch import spawn_background
 from shoal.config import Paths
-from shoal.node.daemon import spawn_background
 
 
 def stats(samples: list[float]) -> str:

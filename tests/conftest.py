@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import shoal
+from shoal.client.launch import spawn_background
 from shoal.config import Paths, node_tag
-from shoal.node.daemon import spawn_background
 
 IMAGES = Path(os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/store"))
 

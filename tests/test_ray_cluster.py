@@ -22,6 +22,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'shoa
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from shoal.client.ray import connect_info  # noqa: E402
 from shoal.cluster import ray as shoal_ray  # noqa: E402
 from shoal.cluster.local import remove_cgroup_parent  # noqa: E402
 
@@ -173,7 +174,7 @@ def test_a_killed_gateway_loses_nothing_and_is_restarted(ray_shoal: RayShoal) ->
 
 
 def test_tokens_quotas_and_admission_on_ray(ray_shoal: RayShoal) -> None:
-    (host, port), _ = shoal_ray.connect_info(ray_shoal.cluster.address)["gateways"]  # as they are now
+    (host, port), _ = connect_info(ray_shoal.cluster.address)["gateways"]  # as they are now
     with pytest.raises(shoal.AuthenticationError, match="unknown token"):
         shoal.Client(f"shoal://{host}:{port}", token="shoal_forged")
     with shoal.Client(ray_address=ray_shoal.cluster.address, project="small") as small:

@@ -20,6 +20,7 @@ from shoal.client import (
     Shell,
 )
 from shoal.client.functions import FunctionError, RunCodeResult
+from shoal.client.image import ImageBuilder
 from shoal.errors import (
     AuthenticationError,
     CapacityError,
@@ -38,7 +39,6 @@ from shoal.errors import (
     UnsafeEntryWarning,
     UnsupportedKindError,
 )
-from shoal.images.builder import ImageBuilder
 from shoal.protocol import OutputChunk, SandboxSpec
 
 Image = ImageBuilder  # `shoal.Image.from_("debian").run(...)`

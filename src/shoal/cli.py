@@ -98,6 +98,7 @@ def cmd_pause(args: argparse.Namespace) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    from shoal.cluster.front import serve_network
     from shoal.node.daemon import main, stop_node
 
     if args.home:
@@ -105,7 +106,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     if args.action == "stop":
         print(stop_node(Paths.from_env(), keep=args.keep, timeout=args.timeout))
         return 0
-    return main()
+    return main(network=serve_network)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -107,3 +107,12 @@ def settings_env(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
         and "TOKEN" not in key
         and "AUTH" not in key
     }
+
+
+def parse_hostport(text: str, default_host: str = "0.0.0.0") -> tuple[str, int]:
+    """`host:port` as SHOAL_TCP, SHOAL_HTTP and gateway addresses take it; an empty host means `default_host`."""
+    host, _, port = text.rpartition(":")
+    try:
+        return host or default_host, int(port)
+    except ValueError:
+        raise ValueError(f"{text!r} is not host:port (e.g. 0.0.0.0:7400, or :0 for any free port)") from None

@@ -1,6 +1,6 @@
 """What stands between a TCP port and a peer that has not (yet) shown a token.
 
-Nodes (node/tcp.py), gateways (cluster/gateway.py) and the gateway's HTTP API (cluster/http.py) accept
+Nodes (cluster/front.py), gateways (cluster/gateway.py) and the gateway's HTTP API (cluster/http.py) accept
 connections from anyone who can reach the port; before this module a peer without a token could make them
 buffer 256 MiB frames, hold connections forever (until the fd limit locked real clients out) and flood the
 log with EMFILE lines. So every TCP listener here goes through `serve_tcp`, which

@@ -15,6 +15,7 @@ from typing import Any
 
 from shoal import protocol
 from shoal.client import functions, localfs
+from shoal.client.image import ImageBuilder
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.client.transport import Connection
 from shoal.client.transport import _error as wire_error
@@ -27,7 +28,6 @@ from shoal.errors import (
     ShoalError,
     UnsafeEntryWarning,
 )
-from shoal.images.builder import ImageBuilder
 from shoal.protocol import OutputChunk, SandboxSpec
 from shoal.steps import describe, divergence_message, step_key
 
@@ -112,7 +112,7 @@ class AsyncClient:
                     return await self._open_tcp()
                 except NodeError:  # the gateways moved (restarted elsewhere): ask Ray again
                     pass
-            from shoal.cluster.ray import connect_info
+            from shoal.client.ray import connect_info
 
             info = await asyncio.to_thread(connect_info, self.ray_address, self.project)
             self._endpoints = [tuple(e) for e in info["gateways"]]
@@ -130,7 +130,7 @@ class AsyncClient:
             return conn
         if os.geteuid() != 0:
             raise NodeError("no shoal node is running and starting one needs root: run as root or `sudo shoal node`")
-        from shoal.node.daemon import spawn_background
+        from shoal.client.launch import spawn_background
 
         await asyncio.to_thread(spawn_background, self.paths)
         return await Connection.open_unix(self.address)

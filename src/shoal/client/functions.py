@@ -12,15 +12,19 @@ import sys
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from shoal import protocol
 from shoal.client.results import ExecResult
 from shoal.errors import ShoalError
 from shoal.protocol import SandboxSpec
 
-if TYPE_CHECKING:
-    from shoal.client.aio import AsyncClient
+
+class RpcClient(Protocol):
+    """What these helpers need of shoal.client.aio.AsyncClient (which imports this module)."""
+
+    async def rpc(self, op: str, args: dict[str, Any] | None = None, **kw: Any) -> Any: ...
+
 
 PYTHON = f"{sys.version_info[0]}.{sys.version_info[1]}"
 _SPEC_FIELDS = set(SandboxSpec.__struct_fields__) - {"kind", "files", "pool", "labels", "ttl_s", "owner"}
@@ -98,7 +102,7 @@ def _value(outcome: dict[str, Any]) -> Any:
 
 
 async def call(
-    client: AsyncClient,
+    client: RpcClient,
     fn: Callable[..., Any] | str,
     *args: Any,
     kwargs: dict[str, Any] | None = None,
@@ -127,7 +131,7 @@ async def call(
 
 
 async def map_calls(
-    client: AsyncClient,
+    client: RpcClient,
     fn: Callable[..., Any] | str,
     items: Iterable[Any],
     *,
@@ -182,7 +186,7 @@ async def map_calls(
 
 
 async def run_code(
-    client: AsyncClient,
+    client: RpcClient,
     code: str,
     language: str = "python",
     *,

@@ -19,8 +19,8 @@ from shoal.client.aio import (
     ReplayReport,
 )
 from shoal.client.functions import RunCodeResult
+from shoal.client.image import ImageBuilder
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
-from shoal.images.builder import ImageBuilder
 from shoal.protocol import OutputChunk
 
 T = TypeVar("T")

@@ -579,7 +579,7 @@ class Gateway:
 
 
 async def serve(gateway: Gateway, where: str, http: str | None, addr_file: str | None, stop: asyncio.Event) -> None:
-    from shoal.node.tcp import parse_hostport
+    from shoal.config import parse_hostport
 
     host, port = parse_hostport(where)
     server = await serve_tcp(gateway.handle, host, port, name=f"gateway {gateway.name}")

@@ -17,6 +17,7 @@ import msgspec
 from aiohttp import web
 
 from shoal.cluster.metrics import CONTENT_TYPE, node_metrics
+from shoal.config import parse_hostport
 from shoal.errors import (
     AuthenticationError,
     CapacityError,
@@ -27,7 +28,6 @@ from shoal.errors import (
     ShoalError,
 )
 from shoal.netguard import serve_tcp
-from shoal.node.tcp import parse_hostport
 
 _STATUS = [
     (AuthenticationError, 401),

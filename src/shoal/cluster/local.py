@@ -36,7 +36,7 @@ class LocalNode:
         self.env = env
 
     def start(self) -> LocalNode:
-        from shoal.node.daemon import spawn_background
+        from shoal.client.launch import spawn_background
 
         saved = dict(os.environ)
         os.environ.update(self.env, SHOAL_NODE_ID=self.node_id, SHOAL_CGROUP_PARENT=self.cgroup_parent)

@@ -28,11 +28,10 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from shoal.client.ray import CONTROLLER, NAMESPACE, ask_controller, controller, ensure_ray
 from shoal.cluster.auth import CLUSTER_ROLE, new_token
 from shoal.errors import NodeError
 
-NAMESPACE = "shoal"
-CONTROLLER = "shoal-controller"
 log = logging.getLogger("shoal.ray")
 
 
@@ -409,21 +408,6 @@ def default_tokens(projects: dict[str, dict[str, Any]] | None = None) -> dict[st
     return {"projects": projects, "tokens": tokens}
 
 
-def _ensure_ray(address: str | None) -> bool:
-    """Connect to Ray if not yet connected; True if this call connected (so the caller may disconnect)."""
-    if ray.is_initialized():
-        return False
-    ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
-    return True
-
-
-def controller() -> Any:
-    try:
-        return ray.get_actor(CONTROLLER, namespace=NAMESPACE)
-    except ValueError:
-        raise NodeError("no shoal cluster on this Ray cluster: start one with `shoal cluster up`") from None
-
-
 def cluster_up(
     address: str | None = None,
     *,
@@ -441,7 +425,7 @@ def cluster_up(
 
     Idempotent: a running controller is reused. Returns `{"gateways": [...], "token": ..., "status": ...}`.
     """
-    _ensure_ray(address)
+    ensure_ray(address)
     here = ray.get_runtime_context().get_node_id()
     config = {
         "home": home,
@@ -471,35 +455,13 @@ def cluster_up(
 
 def cluster_down(address: str | None = None) -> dict[str, Any]:
     """Stop every shoal node (closing its sandboxes) and gateway on this Ray cluster, then the controller."""
-    _ensure_ray(address)
+    ensure_ray(address)
     ctl = controller()
     codes = ray.get(ctl.stop.remote(), timeout=600)
     ray.kill(ctl)
     return codes
 
 
-def _ask_controller(method: str, *args: Any, patience: float = 120.0) -> Any:
-    """Call the controller, waiting out a restart (Ray restarts it; calls meanwhile are refused)."""
-    deadline = time.monotonic() + patience
-    while True:
-        try:
-            return ray.get(getattr(controller(), method).remote(*args))
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-
-
 def cluster_status(address: str | None = None) -> dict[str, Any]:
-    _ensure_ray(address)
-    return _ask_controller("status")
-
-
-def connect_info(address: str | None, project: str | None = None) -> dict[str, Any]:
-    """Where the gateways are and a token for `project` (what `shoal.Client(ray_address=...)` uses)."""
-    connected = _ensure_ray(address)
-    try:
-        return _ask_controller("connect_info", project)
-    finally:
-        if connected:
-            ray.shutdown()
+    ensure_ray(address)
+    return ask_controller("status")

@@ -8,7 +8,8 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from shoal import cgroups, linux
 from shoal.config import NodeSettings, Paths
@@ -68,7 +69,14 @@ def acquire_lock(paths: Paths) -> int:
 KEEP_SIGNAL = signal.SIGUSR1  # `shoal node stop --keep`: stop, leaving re-adoptable sandboxes running
 
 
-async def serve(paths: Paths, settings: NodeSettings, ready_fd: int | None = None) -> bool:
+# The network front (TCP with project tokens, HTTP metrics) lives above the node (shoal.cluster.front); the
+# entry point (node/__main__.py) passes it in, so node code never imports the cluster layer.
+NetworkFront = Callable[[Any, Paths, asyncio.Event], Awaitable[list[Callable[[], Awaitable[None]]]]]
+
+
+async def serve(
+    paths: Paths, settings: NodeSettings, ready_fd: int | None = None, network: NetworkFront | None = None
+) -> bool:
     """Serve until SIGTERM/SIGINT (close every sandbox) or KEEP_SIGNAL (keep the re-adoptable ones);
     returns whether sandboxes were kept."""
     from shoal.node.server import NodeServer
@@ -83,7 +91,7 @@ async def serve(paths: Paths, settings: NodeSettings, ready_fd: int | None = Non
     os.chmod(paths.socket, 0o600)
     log.info("node %s serving on %s (pid %d)", settings.node_id, paths.socket, os.getpid())
     stop = asyncio.Event()
-    network = await _serve_network(server_impl, paths, stop)  # TCP + HTTP when SHOAL_TCP / SHOAL_HTTP are set
+    closers = [] if network is None else await network(server_impl, paths, stop)  # SHOAL_TCP / SHOAL_HTTP
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")
         os.close(ready_fd)
@@ -101,7 +109,7 @@ async def serve(paths: Paths, settings: NodeSettings, ready_fd: int | None = Non
     try:
         await stop.wait()
     finally:
-        for closer in network:
+        for closer in closers:
             await closer()
         server.close()
         if keep:
@@ -115,17 +123,8 @@ async def serve(paths: Paths, settings: NodeSettings, ready_fd: int | None = Non
     return keep
 
 
-async def _serve_network(server_impl, paths: Paths, stop: asyncio.Event) -> list:  # noqa: ANN001
-    """Optional network surfaces (shoal.cluster): SHOAL_TCP, SHOAL_HTTP, and SHOAL_PARENT_PID (stop with it)."""
-    if not any(os.environ.get(k) for k in ("SHOAL_TCP", "SHOAL_HTTP", "SHOAL_PARENT_PID")):
-        return []
-    from shoal.node.tcp import serve_network
-
-    return await serve_network(server_impl, paths, stop)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the node in the foreground until SIGTERM/SIGINT."""
+def main(argv: list[str] | None = None, network: NetworkFront | None = None) -> int:
+    """Run the node in the foreground until SIGTERM/SIGINT; `network` serves TCP/HTTP if the environment asks."""
     if os.geteuid() != 0:
         print("shoal node must run as root (it mounts filesystems and manages cgroups)", file=sys.stderr)
         return 2
@@ -140,52 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     host_ns = prepare_mount_namespace(paths)  # before any thread exists: unshare requires it
     ready_fd = int(os.environ.pop("SHOAL_READY_FD")) if "SHOAL_READY_FD" in os.environ else None
     try:
-        if not asyncio.run(serve(paths, settings, ready_fd)):  # kept sandboxes still use the shared mount
+        if not asyncio.run(serve(paths, settings, ready_fd, network)):  # kept sandboxes still use the shared mount
             release_mount_namespace(paths, host_ns)
     finally:
         os.close(lock_fd)
     return 0
-
-
-def spawn_background(paths: Paths, timeout: float = 30.0) -> None:
-    """Start a node for `paths` as a detached process and wait until it serves (or say why not)."""
-    import subprocess
-    import time
-
-    paths.home.mkdir(parents=True, exist_ok=True)
-    read_fd, write_fd = os.pipe()
-    env = dict(os.environ, SHOAL_READY_FD=str(write_fd), SHOAL_HOME=str(paths.home), SHOAL_IMAGES=str(paths.images))
-    with open(paths.log, "ab") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "shoal.node"],
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=log_file,
-            env=env,
-            pass_fds=[write_fd],
-            start_new_session=True,
-            cwd="/",
-        )
-    os.close(write_fd)
-    deadline = time.monotonic() + timeout
-    try:
-        with os.fdopen(read_fd, "rb") as ready:
-            line = ready.readline()  # EOF if the node dies before it serves
-        if line.strip() == b"ready":
-            return
-        if proc.poll() is None and time.monotonic() < deadline:
-            return
-    finally:
-        pass
-    tail = _tail(paths.log)
-    raise NodeError(f"the shoal node did not start (exit {proc.poll()}); its log {paths.log} ends:\n{tail}")
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 def stop_node(paths: Paths, keep: bool = False, timeout: float = 120.0) -> str:

@@ -68,7 +68,7 @@ class NodeServer:
     async def handle(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, session: Any = None, guard: Any = None
     ) -> None:
-        """Serve one connection. `session` (TCP: a token-authenticated project, see node/tcp.py) wraps each
+        """Serve one connection. `session` (TCP: a token-authenticated project, see cluster/front.py) wraps each
         request: `session.serve(request)` answers its own ops (`session.ops`), `session.call(op, args,
         invoke)` checks and rewrites the others around `invoke(args)`. `guard` (shoal.netguard) holds a TCP peer
         to its pre-auth and idle limits."""

@@ -34,6 +34,7 @@ from shoal.guest import AgentClient, AgentError
 from shoal.images import Image, ImageStore
 from shoal.images.builtin import register_builtins
 from shoal.node import network, recovery
+from shoal.node.functions import FunctionService
 from shoal.node.images import NodeImages
 from shoal.node.lifecycle import ON_TIMEOUT, Lifecycle
 from shoal.node.pools import WarmPools
@@ -54,7 +55,6 @@ from shoal.protocol import (
 )
 from shoal.substrates import Substrate
 from shoal.substrates.container import ContainerSubstrate
-from shoal.substrates.function import FunctionService
 from shoal.substrates.qemu.substrate import QemuSubstrate
 
 log = logging.getLogger("shoal.node")
@@ -962,7 +962,7 @@ class NodeService:
         network: Any = None,
         emit: Emit | None = None,
     ) -> dict[str, Any]:
-        """Build a builtin image (no `steps`), or `steps` over image `base` (see shoal.images.builder);
+        """Build a builtin image (no `steps`), or `steps` over image `base` (see shoal.client.image);
         streams one event per step as it completes. RUN steps get `network` (default: the node's
         `build_network`, the public internet as in Docker's build)."""
         if steps is None:

@@ -1,5 +1,2 @@
-"""The `function` kind: stateless calls served by warm container workers, a fresh forked child per call."""
-
-from shoal.substrates.function.service import FunctionService
-
-__all__ = ["FunctionService"]
+"""The `function` kind's machinery: warm container workers (pool.py), the worker itself (worker.py), per-call
+limits (limits.py) and languages for run_code. The node's side of the kind is shoal.node.functions."""

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from shoal.errors import ImageError, SandboxLostError
-from shoal.node.sandbox import Sandbox
 from shoal.substrates.function import limits as call_limits
 from shoal.substrates.function.limits import CallLimits
 
@@ -48,7 +47,7 @@ class WorkerKey:
 @dataclass(eq=False)
 class Worker:
     key: WorkerKey
-    sandbox: Sandbox
+    sandbox: Any  # the node's container sandbox hosting the worker (shoal.node.sandbox.Sandbox)
     dirs: list[Path]
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter

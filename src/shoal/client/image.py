@@ -33,10 +33,10 @@ class ImageBuilder:
     def from_dockerfile(
         cls, path: str | os.PathLike[str], context: str | os.PathLike[str] | None = None
     ) -> ImageBuilder:
-        from shoal.images.dockerfile import parse
+        from shoal.client.dockerfile import parse
 
         file = Path(path)
-        return parse(file.read_text(), Path(context) if context is not None else file.parent)
+        return parse(file.read_text(), Path(context) if context is not None else file.parent, cls.from_)
 
     def _with(self, step: dict[str, Any]) -> ImageBuilder:
         return ImageBuilder(self.base, (*self.steps, step))

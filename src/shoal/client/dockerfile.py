@@ -11,10 +11,11 @@ import json
 import re
 import shlex
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from shoal.errors import InvalidRequestError
-from shoal.images.builder import ImageBuilder
 
 IGNORED = {"EXPOSE", "VOLUME", "STOPSIGNAL", "HEALTHCHECK", "MAINTAINER", "SHELL", "ONBUILD"}
 _VAR = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
@@ -65,9 +66,10 @@ def _pairs(value: str, number: int, keyword: str) -> dict[str, str]:
     return pairs
 
 
-def parse(text: str, context: Path) -> ImageBuilder:
-    """Parse a Dockerfile; COPY/ADD sources are read from `context` now."""
-    builder: ImageBuilder | None = None
+def parse(text: str, context: Path, from_: Callable[[str], Any]) -> Any:
+    """Parse a Dockerfile into the builder `from_(base)` starts (ImageBuilder.from_, which imports this module);
+    COPY/ADD sources are read from `context` now."""
+    builder: Any = None
     args: dict[str, str] = {}
     for number, line in _lines(text):
         keyword, _, value = line.partition(" ")
@@ -80,7 +82,7 @@ def parse(text: str, context: Path) -> ImageBuilder:
         if keyword == "FROM":
             if builder is not None:
                 raise InvalidRequestError(f"line {number}: multi-stage builds (a second FROM) are not supported")
-            builder = ImageBuilder.from_(value.split()[0])
+            builder = from_(value.split()[0])
             continue
         if builder is None:
             raise InvalidRequestError(f"line {number}: {keyword} before FROM")

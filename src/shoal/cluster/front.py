@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.cluster.auth import PROJECT_LABEL, Identity, Tokens, Usage, cost, sandbox_of
+from shoal.config import parse_hostport
 from shoal.errors import AuthenticationError, SandboxNotFoundError
 from shoal.netguard import ConnectionGuard, Listener, serve_tcp
 from shoal.node.server import NodeServer
@@ -118,14 +119,6 @@ class ProjectSession:
             reserved.add(cpu, mem, -1)
         self.projects.owned[project][info.id] = (cpu, mem)
         return info
-
-
-def parse_hostport(text: str, default_host: str = "0.0.0.0") -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    try:
-        return host or default_host, int(port)
-    except ValueError:
-        raise ValueError(f"{text!r} is not host:port (e.g. 0.0.0.0:7400, or :0 for any free port)") from None
 
 
 async def listen(server: NodeServer, tokens: Tokens, where: str, home: Path) -> Listener:
