@@ -20,13 +20,13 @@ from aiohttp import web
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from e2b.envd.process.process_connect import ProcessASGIApplication
 
+from shoal.config import parse_hostport
 from shoal.e2b import interpreter
 from shoal.e2b.api import ControlPlane, api_key, error_response
 from shoal.e2b.asgi import call_asgi
 from shoal.e2b.backend import Backend, Target
 from shoal.e2b.envd import FilesystemService, Processes, ProcessService
 from shoal.errors import InvalidRequestError, NotFoundError
-from shoal.node.tcp import parse_hostport
 
 
 def _envd_caller(request: web.Request) -> tuple[str | None, str]:
