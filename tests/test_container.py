@@ -252,6 +252,72 @@ def test_files_round_trip(sb: shoal.Sandbox, tmp_path: Path) -> None:
     assert not sb.files.exists("/work/out")
 
 
+def _tar(*members: tuple[str, str, bytes | str]) -> bytes:
+    """A tar of (name, kind 'file'|'dir'|'link', data or link target) members, names taken as given."""
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as archive:
+        for name, kind, data in members:
+            info = tarfile.TarInfo(name)
+            if kind == "dir":
+                info.type = tarfile.DIRTYPE
+                archive.addfile(info)
+            elif kind == "link":
+                info.type, info.linkname = tarfile.SYMTYPE, str(data)
+                archive.addfile(info)
+            else:
+                payload = data.encode() if isinstance(data, str) else data
+                info.size = len(payload)
+                archive.addfile(info, io.BytesIO(payload))
+    return buffer.getvalue()
+
+
+def test_upload_sends_a_tree_as_one_tar_step(sb: shoal.Sandbox, tmp_path: Path) -> None:
+    src = tmp_path / "tree"
+    for i in range(300):
+        path = src / f"d{i % 7}" / f"sub{i % 3}" / f"f{i}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"file {i}\n")
+    (src / "tool.sh").write_text("#!/bin/sh\necho tool\n")
+    (src / "tool.sh").chmod(0o750)
+    (src / "latest").symlink_to("d1/sub1/f1.txt")
+    (src / ("long-" + "x" * 150)).mkdir()  # a name past ustar's 100 bytes
+    (src / ("long-" + "x" * 150) / "inner.txt").write_text("deep\n")
+    steps = len(sb.log())
+    assert sb.files.upload(str(src), "/work/tree") == 302
+    assert len(sb.log()) == steps + 1, "the whole tree must go in one request"
+    assert sb.files.read_text("/work/tree/d3/sub0/f150.txt") == "file 150\n"
+    assert sb.exec("/work/tree/tool.sh; stat -c %a /work/tree/tool.sh").stdout == "tool\n750\n"
+    assert sb.exec("readlink /work/tree/latest; cat /work/tree/latest").stdout == "d1/sub1/f1.txt\nfile 1\n"
+    assert sb.files.read_text(f"/work/tree/long-{'x' * 150}/inner.txt") == "deep\n"
+    assert sb.exec("find /work/tree -type f | wc -l").stdout.strip() == "302"
+
+
+def test_tar_upload_refuses_escapes_and_never_follows_links(client: shoal.Client) -> None:
+    with client.create(image="debian", pool=False) as sb:
+        for bad in ("/etc/evil", "../evil", "a/../../evil"):
+            with pytest.raises(PermissionError, match="refused|absolute"):
+                sb.files.write_tar("/work/dst", _tar((bad, "file", "x")))
+        sb.exec("mkdir -p /work/dst && ln -s /etc /work/dst/etc && ln -s /etc/passwd /work/dst/passwd")
+        before = sb.files.read("/etc/passwd")
+        with pytest.raises(NotADirectoryError, match="links are not followed"):  # through a planted link
+            sb.files.write_tar("/work/dst", _tar(("etc/passwd", "file", "pwned")))
+        with pytest.raises(NotADirectoryError, match="links are not followed"):  # through a link of the tar
+            sb.files.write_tar("/work/dst", _tar(("sneaky", "link", "/etc"), ("sneaky/shadow", "file", "pwned")))
+        assert sb.files.write_tar("/work/dst", _tar(("passwd", "file", "mine"))) == 1  # replaces the link
+        assert sb.files.read("/etc/passwd") == before and sb.files.read_text("/work/dst/passwd") == "mine"
+        assert sb.exec("find / -xdev -name evil 2>/dev/null").stdout == ""
+        with pytest.raises(shoal.ShoalError, match="not a tar stream"):
+            sb.files.write_tar("/work/dst", b"x" * 1024)
+    with client.create(image="debian", user="nobody", pool=False) as sb:  # written as the sandbox's user
+        assert sb.files.write_tar("/tmp/up", _tar(("a/b.txt", "file", "b"))) == 1  # parents are made too
+        assert sb.exec("stat -c %u /tmp/up/a/b.txt /tmp/up/a").stdout.split() == ["65534", "65534"]
+        with pytest.raises(PermissionError):
+            sb.files.write_tar("/root/up", _tar(("x", "file", "x")))
+
+
 def test_create_many_concurrently(client: shoal.Client) -> None:
     many = client.create_many(20, "container", image="busybox", labels={"batch": "b1"}, pool=False)
     try:

@@ -107,6 +107,15 @@ def test_staged_files_are_inputs(fn: shoal.Sandbox) -> None:
         fn.files.write("/etc/passwd", "x")
 
 
+def test_uploaded_tree_is_staged(fn: shoal.Sandbox, tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.txt").write_text("A\n")
+    (tmp_path / "run.sh").write_text("#!/bin/sh\ncat pkg/a.txt\n")
+    (tmp_path / "run.sh").chmod(0o755)
+    assert fn.files.upload(str(tmp_path), "/work") == 2  # one tar request, staged file by file
+    assert fn.exec("./run.sh").stdout == "A\n"
+
+
 def test_create_options(client: shoal.Client) -> None:
     with client.create(
         "function", image="debian", env={"A": "1"}, workdir="/work/p", files={"/work/p/f": "F\n"}, labels={"t": "fo"}

@@ -31,6 +31,8 @@ def describe(op: str, args: dict[str, Any]) -> str:
     if op == "file_write":
         data = args.get("data") or b""
         return f"file_write {args.get('path')!r} ({len(data)} bytes{', append' if args.get('append') else ''})"
+    if op == "file_untar":
+        return f"file_untar {args.get('path')!r} ({len(args.get('data') or b'')} bytes of tar)"
     if op == "sandbox_snapshot":
         return f"snapshot as image {args.get('name')!r}"
     if "path" in args:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal import protocol
-from shoal.client import functions, localfs
+from shoal.client import functions, localfs, tartree
 from shoal.client.image import ImageBuilder
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.client.transport import Connection
@@ -732,29 +732,31 @@ class AsyncFiles:
         """Remove a file, symlink or (with `recursive`, non-empty) directory."""
         await self._call("file_remove", path=path, recursive=recursive)
 
-    async def upload(self, local_dir: str | os.PathLike[str], remote_dir: str, *, concurrency: int = 16) -> int:
-        """Copy a local directory (or file) into the sandbox; returns the number of files written."""
+    async def upload(self, local_dir: str | os.PathLike[str], remote_dir: str) -> int:
+        """Copy a local directory (or file) into the sandbox; returns the number of files written.
+
+        A directory goes as tar streams (one request per 64 MiB of files, see `write_tar`): directories,
+        regular files and symlinks (recreated as links), written as the sandbox's user."""
         root = Path(local_dir)
         if root.is_file():
             await self.write(remote_dir, root.read_bytes(), mode=stat_module.S_IMODE(root.stat().st_mode))
             return 1
         if not root.is_dir():
             raise FileNotFoundError(f"no local file or directory {root}")
-        await self.mkdir(remote_dir)
-        files = []
-        for path in sorted(root.rglob("*")):
-            target = f"{remote_dir.rstrip('/')}/{path.relative_to(root).as_posix()}"
-            if path.is_dir() and not path.is_symlink():
-                await self.mkdir(target)
-            elif path.is_file() and not path.is_symlink():
-                files.append((path, target))
+        files = 0
+        made = tartree.batches(root)
+        while (batch := await asyncio.to_thread(next, made, None)) is not None:
+            data, count = batch
+            await self.write_tar(remote_dir, data)
+            files += count
+        return files
 
-        for start in range(0, len(files), concurrency):  # read a batch, then write it in a fixed order, so
-            batch = files[start : start + concurrency]  # the steps are logged in the same order on a re-run
-            datas = await asyncio.gather(*(asyncio.to_thread(path.read_bytes) for path, _ in batch))
-            modes = [stat_module.S_IMODE(path.stat().st_mode) for path, _ in batch]
-            await asyncio.gather(*(self.write(t, d, mode=m) for (_, t), d, m in zip(batch, datas, modes, strict=True)))
-        return len(files)
+    async def write_tar(self, remote_dir: str, data: bytes) -> int:
+        """Unpack a tar stream (ustar or GNU format: files, directories, symlinks) into `remote_dir` (made
+        if missing) in one request, as the sandbox's user; returns the entries made. Members with an
+        absolute name or a '..' component are refused, and links already in the sandbox are not followed
+        (an entry a link stands in the way of replaces the link)."""
+        return await self._call("file_untar", path=remote_dir, data=data)
 
     async def download(self, remote_dir: str, local_dir: str | os.PathLike[str]) -> int:
         """Copy a directory (or file) out of the sandbox; returns the number of files written.

@@ -387,6 +387,9 @@ class Files:
     def upload(self, local_dir: str, remote_dir: str) -> int:
         return self._client._run(self._inner.upload(local_dir, remote_dir))
 
+    def write_tar(self, remote_dir: str, data: bytes) -> int:
+        return self._client._run(self._inner.write_tar(remote_dir, data))
+
     def download(self, remote_dir: str, local_dir: str) -> int:
         return self._client._run(self._inner.download(remote_dir, local_dir))
 

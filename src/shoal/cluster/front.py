@@ -26,7 +26,7 @@ from shoal.protocol import Request
 log = logging.getLogger("shoal.tcp")
 
 PROJECT_OPS = {
-    "hello", "create", "get", "list", "kill", "close_all", "keepalive", "exec", "file_write", "file_read",
+    "hello", "create", "get", "list", "kill", "close_all", "keepalive", "exec", "file_write", "file_untar", "file_read",
     "file_list", "file_stat", "file_mkdir", "file_remove", "shell_open", "shell_run", "shell_close",
     "image_list", "status", "image_ls", "image_inspect", "sandbox_snapshot", "set_network", "fn_call", "fn_run_code",
     "pause", "resume", "vm_snapshot", "vm_snapshot_delete", "fork",

@@ -48,7 +48,7 @@ from shoal.protocol import ErrorInfo, Request, Response, combine_status, merge_i
 log = logging.getLogger("shoal.gateway")
 
 ROUTED = {
-    "get", "kill", "keepalive", "exec", "file_write", "file_read", "file_list", "file_stat", "file_mkdir",
+    "get", "kill", "keepalive", "exec", "file_write", "file_untar", "file_read", "file_list", "file_stat", "file_mkdir",
     "file_remove", "shell_open", "shell_run", "shell_close", "sandbox_snapshot", "set_network",
     "pause", "resume", "vm_snapshot", "fork",
 }  # fmt: skip

@@ -1065,6 +1065,310 @@ drain:
     send_ok(out, 8);
 }
 
+/* ------------------------------------------------------------------------ */
+/* Untar: a directory tree uploaded as one tar stream ('T').                 */
+/*                                                                           */
+/* Request: u32 uid, u32 gid, target path; then 'D' frames of a tar stream   */
+/* (ustar or GNU, long names via 'L'/'K'), then 'C'.  Reply: 'A' u64 count of */
+/* entries made, or 'Z'.  The handler first becomes the sandbox user, so the */
+/* kernel applies that user's permissions.  Members with an absolute name or */
+/* a '..' component are refused; every directory on a member's way is opened */
+/* with O_NOFOLLOW (a link already in the tree is never followed), and a     */
+/* file or link replaces whatever entry had its name.                        */
+
+struct untar {
+    int root;                /* the target directory */
+    unsigned char hdr[512];
+    size_t hlen;
+    uint64_t left, pad;      /* data bytes of the member still to come, then padding */
+    int kind;                /* what the data is: 0 skipped, 1 file, 2 long name, 3 long link */
+    int fd;
+    char *lname, *llink;     /* pending GNU long name / link target */
+    size_t lbuf_len;
+    char *lbuf;
+    uint64_t count;
+    int done, err;
+    char msg[1024];
+};
+
+#define UNTAR_LONG_MAX 65536
+
+static uint64_t tar_num(const unsigned char *f, size_t n) {
+    if (f[0] & 0x80) { /* GNU base-256 */
+        uint64_t v = f[0] & 0x3f;
+        for (size_t i = 1; i < n; i++)
+            v = (v << 8) | f[i];
+        return v;
+    }
+    uint64_t v = 0;
+    size_t i = 0;
+    while (i < n && (f[i] == ' ' || f[i] == 0))
+        i++;
+    for (; i < n && f[i] >= '0' && f[i] <= '7'; i++)
+        v = (v << 3) | (uint64_t)(f[i] - '0');
+    return v;
+}
+
+static void untar_fail(struct untar *u, int err, const char *fmt, ...) {
+    if (u->err)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(u->msg, sizeof(u->msg), fmt, ap);
+    va_end(ap);
+    u->err = err ? err : EINVAL;
+}
+
+/* The directory that holds member `name` (made if missing, never through a link) and its last component
+ * in `leaf` (empty for the target itself); -1 on error (recorded in u). */
+static int untar_parent(struct untar *u, const char *name, char *leaf, size_t leaf_len) {
+    if (name[0] == '/') {
+        untar_fail(u, EPERM, "untar: member %s has an absolute name; upload relative names only", name);
+        return -1;
+    }
+    char *copy = strdup(name);
+    if (!copy) {
+        untar_fail(u, ENOMEM, "untar: out of memory");
+        return -1;
+    }
+    char *parts[4096];
+    size_t np = 0;
+    for (char *save = NULL, *t = strtok_r(copy, "/", &save); t; t = strtok_r(NULL, "/", &save)) {
+        if (strcmp(t, ".") == 0)
+            continue;
+        if (strcmp(t, "..") == 0 || np == sizeof(parts) / sizeof(parts[0])) {
+            untar_fail(u, EPERM, "untar: member %s leads out of the target ('..'); refused", name);
+            free(copy);
+            return -1;
+        }
+        parts[np++] = t;
+    }
+    snprintf(leaf, leaf_len, "%s", np ? parts[np - 1] : "");
+    int dir = dup(u->root);
+    for (size_t i = 0; dir >= 0 && i + 1 < np; i++) {
+        int next = openat(dir, parts[i], O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (next < 0 && errno == ENOENT) {
+            if (mkdirat(dir, parts[i], 0755) < 0 && errno != EEXIST) {
+                untar_fail(u, errno, "untar: mkdir for member %s: %s", name, strerror(errno));
+                close(dir);
+                dir = -1;
+                break;
+            }
+            next = openat(dir, parts[i], O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        }
+        if (next < 0) {
+            int e = errno;
+            untar_fail(u, e == ELOOP ? ENOTDIR : e, "untar: member %s: %s on its way is %s", name, parts[i],
+                       e == ELOOP || e == ENOTDIR ? "not a directory (links are not followed)" : strerror(e));
+        }
+        close(dir);
+        dir = next;
+    }
+    free(copy);
+    return dir;
+}
+
+static void untar_member(struct untar *u) {
+    const unsigned char *h = u->hdr;
+    uint64_t size = tar_num(h + 124, 12);
+    char type = (char)h[156];
+    u->left = size;
+    u->pad = (512 - size % 512) % 512;
+    u->kind = 0;
+    if (type == 'L' || type == 'K') {
+        if (size > UNTAR_LONG_MAX) {
+            untar_fail(u, ENAMETOOLONG, "untar: a long name of %llu bytes", (unsigned long long)size);
+            return;
+        }
+        free(u->lbuf);
+        u->lbuf = calloc(1, (size_t)size + 1);
+        u->lbuf_len = 0;
+        if (!u->lbuf) {
+            untar_fail(u, ENOMEM, "untar: out of memory");
+            return;
+        }
+        u->kind = type == 'L' ? 2 : 3;
+        return;
+    }
+    char name[4096 + 256], link[4096 + 1];
+    if (u->lname) {
+        snprintf(name, sizeof(name), "%s", u->lname);
+    } else if (memcmp(h + 257, "ustar\0", 6) == 0 && h[345]) {
+        snprintf(name, sizeof(name), "%.155s/%.100s", (const char *)h + 345, (const char *)h);
+    } else {
+        snprintf(name, sizeof(name), "%.100s", (const char *)h);
+    }
+    if (u->llink)
+        snprintf(link, sizeof(link), "%s", u->llink);
+    else
+        snprintf(link, sizeof(link), "%.100s", (const char *)h + 157);
+    free(u->lname);
+    free(u->llink);
+    u->lname = u->llink = NULL;
+    mode_t mode = (mode_t)tar_num(h + 100, 8) & 0777;
+    if (type != '0' && type != '\0' && type != '7' && type != '5' && type != '2') {
+        untar_fail(u, EINVAL, "untar: member %s is of type '%c', which uploads do not make (files, "
+                   "directories and symlinks only; pax headers are not read: use the GNU format)", name, type);
+        return;
+    }
+    char leaf[4096];
+    int dir = untar_parent(u, name, leaf, sizeof(leaf));
+    if (dir < 0)
+        return;
+    if (!leaf[0]) { /* the target itself */
+        if (type != '5')
+            untar_fail(u, EISDIR, "untar: member %s names the target directory", name);
+        close(dir);
+        return;
+    }
+    if (type == '5') {
+        if (mkdirat(dir, leaf, mode | 0700) < 0) {
+            struct stat st;
+            if (errno != EEXIST || fstatat(dir, leaf, &st, AT_SYMLINK_NOFOLLOW) < 0 || !S_ISDIR(st.st_mode))
+                untar_fail(u, errno == EEXIST ? ENOTDIR : errno, "untar: directory %s: %s", name,
+                           errno == EEXIST ? "exists and is not a directory" : strerror(errno));
+        }
+    } else {
+        if (unlinkat(dir, leaf, 0) < 0 && errno != ENOENT && errno != EISDIR) {
+            untar_fail(u, errno, "untar: replace %s: %s", name, strerror(errno));
+        } else if (type == '2') {
+            if (symlinkat(link, dir, leaf) < 0)
+                untar_fail(u, errno, "untar: symlink %s: %s", name, strerror(errno));
+        } else {
+            u->fd = openat(dir, leaf, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY, 0600);
+            if (u->fd < 0 || fchmod(u->fd, mode) < 0)
+                untar_fail(u, errno, "untar: create %s: %s", name, strerror(errno));
+            else
+                u->kind = 1;
+        }
+    }
+    close(dir);
+    if (!u->err)
+        u->count++;
+}
+
+static void untar_feed(struct untar *u, const unsigned char *p, size_t n) {
+    while (n > 0 && !u->err && !u->done) {
+        if (u->left) {
+            size_t take = u->left < n ? (size_t)u->left : n;
+            if (u->kind == 1) {
+                for (size_t off = 0; off < take;) {
+                    ssize_t w = write(u->fd, p + off, take - off);
+                    if (w < 0 && errno == EINTR)
+                        continue;
+                    if (w < 0) {
+                        untar_fail(u, errno, "untar: write: %s", strerror(errno));
+                        return;
+                    }
+                    off += (size_t)w;
+                }
+            } else if (u->kind >= 2) {
+                memcpy(u->lbuf + u->lbuf_len, p, take);
+                u->lbuf_len += take;
+            }
+            u->left -= take;
+            p += take;
+            n -= take;
+            if (u->left == 0) {
+                if (u->kind == 1) {
+                    close(u->fd);
+                    u->fd = -1;
+                } else if (u->kind >= 2) {
+                    char **slot = u->kind == 2 ? &u->lname : &u->llink;
+                    free(*slot);
+                    *slot = u->lbuf;
+                    u->lbuf = NULL;
+                }
+                u->kind = 0;
+            }
+            continue;
+        }
+        if (u->pad) {
+            size_t take = u->pad < n ? (size_t)u->pad : n;
+            u->pad -= take;
+            p += take;
+            n -= take;
+            continue;
+        }
+        size_t take = 512 - u->hlen < n ? 512 - u->hlen : n;
+        memcpy(u->hdr + u->hlen, p, take);
+        u->hlen += take;
+        p += take;
+        n -= take;
+        if (u->hlen < 512)
+            continue;
+        u->hlen = 0;
+        uint64_t sum = 0;
+        int zero = 1;
+        for (int i = 0; i < 512; i++) {
+            sum += (i >= 148 && i < 156) ? ' ' : u->hdr[i];
+            zero &= u->hdr[i] == 0;
+        }
+        if (zero) { /* the end-of-archive blocks */
+            u->done = 1;
+            return;
+        }
+        if (sum != tar_num(u->hdr + 148, 8)) {
+            untar_fail(u, EINVAL, "untar: not a tar stream (bad header checksum after %llu entries)",
+                       (unsigned long long)u->count);
+            return;
+        }
+        untar_member(u);
+    }
+}
+
+static void do_untar(const unsigned char *pl, uint32_t plen) {
+    struct cur c = {pl, plen, 0};
+    uint32_t uid = get_u32(&c), gid = get_u32(&c);
+    const char *path = get_str(&c);
+    struct untar u;
+    memset(&u, 0, sizeof(u));
+    u.root = u.fd = -1;
+    if (c.bad) {
+        untar_fail(&u, EINVAL, "untar: malformed request");
+    } else if (uid != (uint32_t)geteuid() || gid != (uint32_t)getegid()) {
+        if ((setgroups(0, NULL) < 0 && errno != EPERM) || setgid((gid_t)gid) < 0 || setuid((uid_t)uid) < 0)
+            untar_fail(&u, errno, "untar: cannot become %u:%u: %s", uid, gid, strerror(errno));
+    }
+    if (!u.err) {
+        char failed[512];
+        int rc = make_dirs(path, 0755, uid, gid, 1, failed, sizeof(failed));
+        if (rc)
+            untar_fail(&u, -rc, "mkdir %s: %s", failed, strerror(-rc));
+        else if ((u.root = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0)
+            untar_fail(&u, errno, "open %s: %s", path, strerror(errno));
+    }
+    for (;;) {
+        char type;
+        unsigned char *p;
+        uint32_t n;
+        if (!read_frame(&type, &p, &n))
+            _exit(1);
+        if (type == 'C')
+            break;
+        if (type == 'D')
+            untar_feed(&u, p, n);
+        else
+            untar_fail(&u, EPROTO, "untar: unexpected frame type %d", type);
+    }
+    if (!u.err && !u.done && (u.left || u.hlen || u.kind))
+        untar_fail(&u, EINVAL, "untar: the tar stream ended inside a member");
+    if (u.fd >= 0)
+        close(u.fd);
+    if (u.root >= 0)
+        close(u.root);
+    free(u.lname);
+    free(u.llink);
+    free(u.lbuf);
+    if (u.err) {
+        send_err(u.err, "%s", u.msg);
+        return;
+    }
+    unsigned char out[8];
+    put_u64(out, u.count);
+    send_ok(out, 8);
+}
+
 static int cmp_str(const void *a, const void *b) {
     return strcmp(*(char *const *)a, *(char *const *)b);
 }
@@ -1368,6 +1672,9 @@ static void handle(int fd) {
         break;
     case 'W':
         do_write(req, n);
+        break;
+    case 'T':
+        do_untar(req, n);
         break;
     case 'L':
         do_list(req, n);

@@ -323,6 +323,23 @@ class AgentClient:
         finally:
             await conn.close()
 
+    async def untar(self, path: str, data: bytes, *, uid: int = 0, gid: int = 0) -> int:
+        """Unpack a tar stream (ustar/GNU: files, directories, symlinks) into directory ``path`` (made if
+        missing) as ``uid:gid``; returns the entries made. Absolute or '..' member names are refused and no
+        link already in the tree is followed (see ``do_untar`` in agent.c)."""
+        conn = await self._request(b"T", struct.pack(">II", uid, gid) + _cstr(path))
+        try:
+            view = memoryview(bytes(data))
+            for off in range(0, len(view), _CHUNK):
+                chunk = view[off : off + _CHUNK]
+                conn.writer.write(_HDR.pack(len(chunk) + 1, ord("D")))
+                await conn.send(chunk)
+            await conn.send(_frame(b"C"))
+            _, payload = await conn.expect(b"A")
+            return struct.unpack(">Q", payload)[0]
+        finally:
+            await conn.close()
+
     async def list_dir(self, path: str, recursive: bool = False) -> list[FileEntry]:
         """List ``path``; recursive names are relative to it and symlinks are not followed."""
         conn = await self._request(b"L", bytes([1 if recursive else 0]) + _cstr(path))

@@ -26,7 +26,7 @@ log = logging.getLogger("shoal.server")
 
 OPS = [
     "hello", "create", "get", "list", "kill", "close_all", "keepalive", "exec",
-    "file_write", "file_read", "file_list", "file_stat", "file_mkdir", "file_remove",
+    "file_write", "file_read", "file_list", "file_stat", "file_mkdir", "file_remove", "file_untar",
     "shell_open", "shell_run", "shell_close", "pool_set", "image_build", "image_list", "status",
     "image_ls", "image_inspect", "image_rm", "image_prune", "image_tag", "image_squash", "image_import", "image_export",
     "image_pull", "image_push",

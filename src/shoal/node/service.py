@@ -7,11 +7,14 @@ import collections
 import contextlib
 import errno
 import functools
+import io
 import json
 import logging
 import os
+import posixpath
 import secrets
 import shutil
+import tarfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -771,6 +774,17 @@ class NodeService:
         args = {"path": path, "data": data, "mode": mode, "append": append}
         return await self._file_step("file_write", sandbox_id, seq, args, run)
 
+    async def file_untar(self, sandbox_id: str, path: str, data: bytes, seq: int | None = None) -> int:
+        """Unpack a tar stream (a whole directory tree in one request) into directory `path`, as the sandbox's
+        user; absolute and '..' members are refused and links in the tree are never followed. Returns the
+        entries made."""
+        if self.functions.owns(sandbox_id):
+            return untar_files(data, path, functools.partial(self.functions.file_write, sandbox_id, append=False))
+        sandbox = self._get(sandbox_id)
+        target = _abs(path, sandbox)
+        run = functools.partial(self._agent_call, sandbox_id, "untar", target, data, uid=sandbox.uid, gid=sandbox.gid)
+        return await self._file_step("file_untar", sandbox_id, seq, {"path": path, "data": data}, run)
+
     async def file_read(self, sandbox_id: str, path: str, max_bytes: int = 256 << 20, seq: int | None = None) -> bytes:
         if self.functions.owns(sandbox_id):
             return self.functions.file_read(sandbox_id, path, max_bytes)
@@ -1116,3 +1130,22 @@ def _shield_node_from_oom_killer() -> None:
             handle.write("-1000")
     except OSError:
         log.warning("could not shield the node from the OOM killer")
+
+
+def untar_files(data: bytes, target: str, write: Any) -> int:
+    """A function sandbox's share of an upload: its regular files, staged with `write(path, data, mode)`
+    (function sandboxes hold input files, not a filesystem); unsafe names are refused as the agent does."""
+    count = 0
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as archive:
+            for member in archive:
+                parts = [p for p in member.name.split("/") if p not in ("", ".")]
+                if member.name.startswith("/") or ".." in parts:
+                    raise PermissionError(f"untar: member {member.name} leads out of the target; refused")
+                if member.isfile() and parts:
+                    content = archive.extractfile(member)
+                    write(posixpath.join(target, *parts), content.read() if content else b"", member.mode & 0o777)
+                    count += 1
+    except tarfile.TarError as exc:
+        raise InvalidRequestError(f"untar: not a tar stream ({exc})") from None
+    return count
