@@ -83,6 +83,7 @@ def test_commands_foreground_env_cwd_exit(sbx: Sandbox) -> None:
     assert r.exit_code == 0
     assert r.stdout == "out\nc1 p2\n/tmp\n"
     assert r.stderr == "err\n"
+    assert sbx.commands.run("id -u", user="root").stdout == "0\n"
     with pytest.raises(CommandExitException) as info:
         sbx.commands.run("echo partial; exit 3")
     assert info.value.exit_code == 3 and info.value.stdout == "partial\n"
@@ -147,6 +148,9 @@ def test_files(sbx: Sandbox) -> None:
         sbx.files.read("/work/dir/missing.txt")
     # the files are the command's files
     assert sbx.commands.run("cat /work/dir/b.txt").stdout == "hello"
+    written = sbx.files.write_files([{"path": "/work/m/1.txt", "data": "one"}, {"path": "/work/m/2.txt", "data": b"2"}])
+    assert sorted(w.path for w in written) == ["/work/m/1.txt", "/work/m/2.txt"]
+    assert sbx.commands.run("cat /work/m/1.txt /work/m/2.txt").stdout == "one2"
 
 
 def test_files_watch(sbx: Sandbox) -> None:

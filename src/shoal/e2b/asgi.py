@@ -54,10 +54,10 @@ async def call_asgi(app: Any, request: web.Request) -> web.StreamResponse:
         elif message["type"] == "http.response.body":
             assert response is not None
             body = message.get("body", b"")
-            if body:
-                await response.write(body)
             if not message.get("more_body", False):
-                await response.write_eof()
+                await response.write_eof(body)  # the last chunk and the end in one send
+            elif body:
+                await response.write(body)
 
     try:
         await app(scope, receive, send)

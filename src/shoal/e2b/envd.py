@@ -195,10 +195,14 @@ async def _stream(proc: Proc, queue: asyncio.Queue, wrap: Any) -> AsyncIterator[
     """Yield `proc`'s events (wrapped in the RPC's response message) until its end event."""
     try:
         while True:
-            try:
-                event = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
-            except TimeoutError:
-                event = _event("keepalive", process_pb.ProcessEvent.KeepAlive())
+            if queue.empty():
+                try:
+                    async with asyncio.timeout(KEEPALIVE_S):
+                        event = await queue.get()
+                except TimeoutError:
+                    event = _event("keepalive", process_pb.ProcessEvent.KeepAlive())
+            else:
+                event = queue.get_nowait()
             if event.event is not None and event.event.field == "end":
                 if event.event.value.error == TIMED_OUT:  # the stream's deadline (the command timeout) passed
                     raise ConnectError(Code.DEADLINE_EXCEEDED, "the command ran out of time and was killed")

@@ -12,9 +12,11 @@ the code interpreter's port (49999) to `interpreter.py`.
 from __future__ import annotations
 
 import asyncio
+import email.message
 import posixpath
 import signal
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
@@ -34,6 +36,14 @@ def _envd_caller(request: web.Request) -> tuple[str | None, str]:
     if not sandbox_id:
         raise InvalidRequestError("no E2b-Sandbox-Id header: set E2B_SANDBOX_URL to this server")
     return request.headers.get("X-Access-Token") or api_key(request), sandbox_id
+
+
+def _part_filename(part: Any) -> str | None:
+    """The multipart filename as sent: the SDK puts the sandbox path there, and aiohttp's own parser strips
+    its leading slash."""
+    message = email.message.Message()
+    message["Content-Disposition"] = part.headers.get("Content-Disposition", "")
+    return message.get_filename()
 
 
 class E2BServer:
@@ -107,7 +117,7 @@ class E2BServer:
                     if part.name != "file":  # type: ignore[union-attr]
                         continue
                     data = await part.read()  # type: ignore[union-attr]
-                    files.append((part.filename or query_path or "", bytes(data)))  # type: ignore[union-attr]
+                    files.append((_part_filename(part) or query_path or "", bytes(data)))
                 if len(files) == 1 and query_path:
                     files = [(query_path, files[0][1])]
             else:

@@ -1,0 +1,125 @@
+"""E2B compatibility benchmark: the unmodified `e2b` SDK through `shoal e2b serve`, side by side with shoal's
+native SDK, against the same node in one run.
+
+    PYTHONPATH=src python bench/bench_e2b.py [--runs 200] [--creates 30]
+
+Rows (sequential, one at a time, on one node over TCP with a token, the E2B server in its own process):
+- `commands.run("true")`: the SDK runs `/bin/bash -l -c true` in the sandbox; the native rows run the same
+  argv, and `exec("true")` for reference.
+- create -> run `true` -> kill.
+CPU-ms per op are the client process's and the E2B server's (from /proc), so the layer's own cost shows.
+The machine is shared: compare rows within one run, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import shoal
+from shoal.cluster.local import LocalCluster
+from shoal.e2b.local import LocalE2B
+
+SDK_ARGV = ["/bin/bash", "-l", "-c", "true"]  # what e2b's commands.run("true") asks envd to start
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(rows: dict[str, object], count: int, server_pid: int) -> dict[str, float]:
+    """Time each row's op `count` times, interleaved (row A, row B, row A, ...) so the drifting load of a
+    shared machine falls on every row alike; print p50/p99 and CPU-ms per op; return the p50s."""
+    for fn in rows.values():
+        fn()  # warm up connections and caches
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    cpu = dict.fromkeys(rows, 0.0)
+    srv = dict.fromkeys(rows, 0.0)
+    for _ in range(count):
+        for name, fn in rows.items():
+            c0, s0, t = time.process_time(), cpu_seconds(server_pid), time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+            cpu[name] += time.process_time() - c0
+            srv[name] += cpu_seconds(server_pid) - s0
+    p50s = {}
+    for name, values in times.items():
+        p50s[name] = statistics.median(values) * 1e3
+        print(
+            f"  {name:<46} p50 {p50s[name]:8.2f} ms  p99 {pct(values, 0.99) * 1e3:8.2f} ms"
+            f"  client CPU {cpu[name] / count * 1e3:5.2f} ms  e2b server CPU {srv[name] / count * 1e3:5.2f} ms"
+        )
+    return p50s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--creates", type=int, default=30)
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="bench-e2b-"))
+    lc = LocalCluster(workdir / "cluster", nodes=1, prefix="be")
+    server = None
+    try:
+        token = lc.project_tokens["default"]
+        address = f"shoal://{lc.nodes[0].address}"
+        server = LocalE2B(address, workdir)
+        os.environ.update(server.env(token))
+        from e2b import Sandbox
+
+        pid = server.proc.pid
+        with shoal.Client(address, token=token) as client:
+            print(f"commands.run('true'), {args.runs} runs of each row, interleaved, one sandbox per side:")
+            native = client.create(image="debian", ttl_s=600)
+            sbx = Sandbox.create(template="base", timeout=600)
+            try:
+                p50 = measure(
+                    {
+                        "native  sb.exec('true')": lambda: native.exec("true"),
+                        "native  sb.exec(bash -l -c true)": lambda: native.exec(SDK_ARGV),
+                        "native  sb.exec(bash -l -c true, streamed)": lambda: native.exec(SDK_ARGV, on_stdout=print),
+                        "e2b     sbx.commands.run('true')": lambda: sbx.commands.run("true"),
+                    },
+                    args.runs,
+                    pid,
+                )
+            finally:
+                native.close()
+                sbx.kill()
+            extra = p50["e2b     sbx.commands.run('true')"] - p50["native  sb.exec(bash -l -c true, streamed)"]
+            print(f"  -> the E2B layer adds {extra:.2f} ms p50 per command (vs the same streamed exec)")
+
+            print(f"create -> run true -> kill, {args.creates} of each, interleaved:")
+
+            def native_cycle() -> None:
+                with client.create(image="debian", ttl_s=600) as sb:
+                    sb.exec(SDK_ARGV, on_stdout=print)
+
+            def e2b_cycle() -> None:
+                s = Sandbox.create(template="base", timeout=600)
+                s.commands.run("true")
+                s.kill()
+
+            p50 = measure(
+                {"native  create/exec/close": native_cycle, "e2b     create/run/kill": e2b_cycle}, args.creates, pid
+            )
+            extra = p50["e2b     create/run/kill"] - p50["native  create/exec/close"]
+            print(f"  -> the E2B layer adds {extra:.2f} ms p50 per cycle")
+    finally:
+        if server is not None:
+            server.stop()
+        lc.stop()
+
+
+if __name__ == "__main__":
+    main()
