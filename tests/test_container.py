@@ -145,7 +145,7 @@ def test_output_cap(client: shoal.Client) -> None:
         assert len(flood.stdout_bytes) == (1 << 20) + len(cut_marker(flood.stdout_omitted))
 
 
-def test_output_cap_keeps_the_end(tiny: shoal.Sandbox) -> None:
+def test_output_cap_keeps_the_end(client: shoal.Client, tiny: shoal.Sandbox) -> None:
     """A long test run's last line (its summary: the reward) survives the cap; the cut is marked."""
     script = "i=0; while [ $i -lt 3000 ]; do echo line $i; i=$((i+1)); done; echo '== 7 passed, 1 failed =='"
     for r in (
@@ -160,6 +160,13 @@ def test_output_cap_keeps_the_end(tiny: shoal.Sandbox) -> None:
         assert out.count(cut_marker(omitted)) == 1 and len(out) == 4096 + len(cut_marker(omitted))
     streamed = b"".join(c.data for c in tiny.exec_stream(script, output_cap_bytes=4096))
     assert streamed.endswith(b"== 7 passed, 1 failed ==\n") and b"bytes omitted by the output cap" in streamed
+    with client.create(image="busybox", output_cap_bytes=4096, pool=False) as small, small.shell() as sh:
+        capped = sh.run(script)  # shells keep head and tail too (their cap is the sandbox's)
+        assert capped.truncated and capped.stdout_omitted > 0 and capped.stdout.startswith("line 0\n")
+        assert (
+            capped.stdout.endswith("== 7 passed, 1 failed ==\n")
+            and cut_marker(capped.stdout_omitted).decode() in capped.stdout
+        )
     whole = tiny.exec("echo short", output_cap_bytes=4096)  # under the cap: untouched
     assert whole.stdout == "short\n" and not whole.truncated and whole.stdout_omitted == 0
 

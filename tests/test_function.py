@@ -18,6 +18,8 @@ from conftest import IMAGES, NodeProcess, leftovers, no_leftovers
 
 import shoal
 from shoal import FunctionError
+from shoal.protocol import HeadTail, cut_marker
+from shoal.substrates.function import worker
 
 DEV_IMAGE = IMAGES / "images" / "debian-dev.json"
 needs_dev = pytest.mark.skipif(
@@ -184,8 +186,10 @@ def test_timeouts_and_limits(client: shoal.Client) -> None:
         client.call(fork, pids=32, timeout=2)
     assert forks.value.timed_out
     with client.create("function", output_cap_bytes=1 << 16) as sb:
-        r = sb.exec("yes | head -c 5000000")
-        assert r.truncated and len(r.stdout_bytes) == 1 << 16
+        r = sb.exec("yes | head -c 5000000; echo '== 3 passed =='")
+        assert r.truncated and r.stdout_omitted == 5000000 + 15 - (1 << 16)
+        assert len(r.stdout_bytes) == (1 << 16) + len(cut_marker(r.stdout_omitted))
+        assert r.stdout.endswith("y\n== 3 passed ==\n")  # the end survives the cap, as in containers
         assert sb.exec("nproc; cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || true").exit_code == 0
     assert client.call("sum(range(10))") == 45  # the pool recovered
 
@@ -391,7 +395,8 @@ def test_cpu_limit_throttles_the_call(client: shoal.Client, node: NodeProcess) -
 def test_giant_output_and_result_are_capped(client: shoal.Client) -> None:
     with pytest.raises(FunctionError) as big:
         client.call("print('y' * (20 << 20)); 'x' * (65 << 20)", output_cap_bytes=1 << 16, timeout=30)
-    assert big.value.type == "ResultTooLarge" and len(big.value.stdout) == 1 << 16
+    omitted = (20 << 20) + 1 - (1 << 16)  # head and tail kept, the middle cut and marked
+    assert big.value.type == "ResultTooLarge" and len(big.value.stdout) == (1 << 16) + len(cut_marker(omitted))
     streamed: list[bytes] = []
     with client.create("function") as sb:
         result = sb.exec("echo streamed", on_stdout=streamed.append)
@@ -435,3 +440,13 @@ def test_abandoned_map_stops_its_calls(client: shoal.Client) -> None:
             break
         time.sleep(0.1)
     assert all(p["busy"] == 0 and p["waiting"] == 0 for p in pools.values()), pools
+
+
+def test_the_workers_output_cap_matches_the_nodes() -> None:
+    """The worker (under the image's python, without shoal) keeps and marks output as the node does."""
+    for cap, pieces in ((10, [b"abc", b"defghijklmnop", b"q"]), (7, [b"x" * 100]), (64, [b"short"])):
+        ours, theirs = HeadTail(cap), worker.HeadTail(cap)
+        for piece in pieces:
+            ours.feed(piece)
+            theirs.feed(piece)
+        assert (ours.value(), ours.omitted) == (theirs.value(), theirs.omitted)

@@ -107,6 +107,36 @@ class ExecResult(msgspec.Struct, kw_only=True):
     stderr_omitted: int = 0
 
 
+class HeadTail:
+    """One output stream under a cap, kept as the agent keeps it: the first `cap - cap // 2` bytes and the
+    last `cap // 2`; `omitted` counts the bytes between (0: nothing cut). A cap of 0 keeps everything."""
+
+    def __init__(self, cap: int) -> None:
+        self.head_cap, self.tail_cap = cap - cap // 2, cap // 2
+        self.unlimited = cap <= 0
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.omitted = 0
+
+    def feed(self, data: bytes | bytearray) -> None:
+        if self.unlimited:
+            self.head += data
+            return
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            over = len(self.tail) - self.tail_cap
+            if over > 0:
+                self.omitted += over
+                del self.tail[:over]
+
+    def value(self) -> bytes:
+        return bytes(self.head + (cut_marker(self.omitted) if self.omitted else b"") + self.tail)
+
+
 def cut_marker(omitted: int) -> bytes:
     """The line that stands in an over-long output where the cap cut `omitted` bytes between head and tail.
 

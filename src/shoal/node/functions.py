@@ -620,6 +620,8 @@ def _exec_result(step: dict[str, Any]) -> ExecResult:
         truncated=step["truncated"],
         signal=step["signal"],
         oom_killed=bool(step.get("oom_killed")),
+        stdout_omitted=int(step.get("stdout_omitted", 0)),
+        stderr_omitted=int(step.get("stderr_omitted", 0)),
     )
 
 

@@ -12,7 +12,7 @@ import time
 
 from shoal.errors import InvalidRequestError
 from shoal.guest import ExecProcess
-from shoal.protocol import ExecResult
+from shoal.protocol import ExecResult, HeadTail
 
 
 def shell_quote(text: str) -> str:
@@ -20,7 +20,7 @@ def shell_quote(text: str) -> str:
 
 
 class _Cutter:
-    """Collects one stream up to `cap` bytes until the marker line arrives."""
+    """Collects one stream until the marker line arrives, its head and tail under `cap` (see HeadTail)."""
 
     def __init__(self, marker: bytes, cap: int, wants_code: bool) -> None:
         self.marker = marker
@@ -28,15 +28,12 @@ class _Cutter:
         self.wants_code = wants_code
         self.window = len(marker) + 32
         self.buf = bytearray()
-        self.kept = bytearray()
-        self.dropped = 0
+        self.kept = HeadTail(cap)
         self.done = False
         self.code = 0
 
     def _keep(self, data: bytes | bytearray) -> None:
-        room = max(0, self.cap - len(self.kept))
-        self.kept += data[:room]
-        self.dropped += max(0, len(data) - room)
+        self.kept.feed(data)
 
     def feed(self, data: bytes) -> None:
         self.buf += data
@@ -119,11 +116,13 @@ class ShellSession:
     def _result(self, out: _Cutter, err: _Cutter, code: int, start: float, timed_out: bool) -> ExecResult:
         return ExecResult(
             exit_code=code,
-            stdout=bytes(out.kept),
-            stderr=bytes(err.kept),
+            stdout=out.kept.value(),
+            stderr=err.kept.value(),
             duration_s=time.monotonic() - start,
             timed_out=timed_out,
-            truncated=bool(out.dropped or err.dropped),
+            truncated=bool(out.kept.omitted or err.kept.omitted),
+            stdout_omitted=out.kept.omitted,
+            stderr_omitted=err.kept.omitted,
         )
 
     async def close(self) -> None:

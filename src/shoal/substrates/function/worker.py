@@ -43,6 +43,33 @@ MAX_FILE = 256 << 20
 _LEN = struct.Struct(">I")
 
 
+class HeadTail:
+    """shoal.protocol.HeadTail, repeated here because the worker runs under the image's python without
+    shoal: the first `cap - cap // 2` bytes of an output and its last `cap // 2`, the cut marked."""
+
+    def __init__(self, cap: int) -> None:
+        self.head_cap, self.tail_cap = cap - cap // 2, cap // 2
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.omitted = 0
+
+    def feed(self, data: bytes) -> None:
+        room = self.head_cap - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if data:
+            self.tail += data
+            over = len(self.tail) - self.tail_cap
+            if over > 0:
+                self.omitted += over
+                del self.tail[:over]
+
+    def value(self) -> bytes:
+        marker = f"\n[... shoal: {self.omitted} bytes omitted by the output cap ...]\n".encode()
+        return bytes(self.head + (marker if self.omitted else b"") + self.tail)
+
+
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
@@ -308,6 +335,7 @@ class Worker:
         buffers = {out_r: bytearray(), err_r: bytearray(), res_r: bytearray()}
         limits = {out_r: cap, err_r: cap, res_r: MAX_RESULT}
         dropped = {out_r: 0, err_r: 0, res_r: 0}
+        outputs = {out_r: HeadTail(cap), err_r: HeadTail(cap)} if cap else {}  # head and tail kept
         poller = select.poll()
         for fd in buffers:
             poller.register(fd, select.POLLIN)
@@ -381,6 +409,9 @@ class Worker:
                         continue
                     if fd != res_r:
                         last_output = time.monotonic()
+                    if fd in outputs:
+                        outputs[fd].feed(data)
+                        continue
                     room = limits[fd] - len(buffers[fd])
                     buffers[fd] += data[: max(room, 0)]
                     dropped[fd] += max(0, len(data) - max(room, 0))
@@ -392,12 +423,15 @@ class Worker:
         result = {
             "exit_code": 128 + signum if signum else os.WEXITSTATUS(status),
             "signal": signum,
-            "stdout": b64(bytes(buffers[out_r])),
-            "stderr": b64(bytes(buffers[err_r])),
             "duration_s": time.monotonic() - start,
             "timed_out": timed_out,
-            "truncated": bool(dropped[out_r] or dropped[err_r]),
         }
+        if outputs:
+            out, err = outputs[out_r], outputs[err_r]
+            result.update(stdout=b64(out.value()), stderr=b64(err.value()), truncated=bool(out.omitted or err.omitted),
+                          stdout_omitted=out.omitted, stderr_omitted=err.omitted)  # fmt: skip
+        else:
+            result.update(stdout=b64(bytes(buffers[out_r])), stderr=b64(bytes(buffers[err_r])), truncated=False)
         if "python" in step:
             result["result"] = "" if dropped[res_r] else buffers[res_r].decode("utf-8", "replace")
             result["result_too_large"] = bool(dropped[res_r])
