@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -209,6 +210,45 @@ def test_bad_call_does_not_disturb_others(client: shoal.Client) -> None:
     results["good"] = [client.call("2 * 21") for _ in range(20)]
     thread.join()
     assert results == {"bomb": "TimeoutError", "good": [42] * 20}
+
+
+BOMB = "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass"
+
+
+def _call_processes(node: NodeProcess) -> list[str]:
+    """Processes in the per-call cgroups of this node's function workers (v1 hierarchies or v2)."""
+    root = Path("/sys/fs/cgroup")
+    found = []
+    for procs in [*root.glob(f"{node.cgroup_parent}/*/call/cgroup.procs"),
+                  *root.glob(f"*/{node.cgroup_parent}/*/call/cgroup.procs")]:  # fmt: skip
+        found += procs.read_text().split()
+    return found
+
+
+@pytest.mark.parametrize("runtime", ["crun", "runc"])
+def test_fork_bomb_dies_with_its_call(client: shoal.Client, node: NodeProcess, runtime: str) -> None:
+    """Issue 18: a fork bomb left ~1,000 processes after its call, its 3 s timeout fired after 17-27 s (the
+    worker, starved of CPU by the bomb, killed one process at a time while the bomb refilled the pids), and
+    later calls failed. Now the call's processes die with it, near its deadline, and the next call is fine."""
+    if shutil.which(runtime) is None:
+        pytest.skip(f"runtime {runtime} is not installed on this host")
+    assert client.call("1 + 1", runtime=runtime) == 2  # a warm worker, so the timing below is the call's
+    started = time.monotonic()
+    with pytest.raises(FunctionError) as bomb:
+        client.call(BOMB, runtime=runtime, pids=1024, timeout=3)  # the default cap
+    elapsed = time.monotonic() - started
+    assert bomb.value.type == "TimeoutError" and bomb.value.timed_out, bomb.value
+    assert _call_processes(node) == []
+    assert elapsed < 3 + 5, f"a 3 s timeout fired after {elapsed:.1f} s"  # typically 1-2 s late on a busy host
+    assert client.call("sum(range(10))", runtime=runtime) == 45
+    # a command that leaves a running bomb behind: it is gone before the result comes back (a smaller bomb:
+    # with ~1,000 runnable processes each wakeup of the command's own shell waits its turn behind them)
+    with client.create("function", image="debian", runtime=runtime, pids=128) as sb:
+        r = sb.exec(f"python3 -c {shlex.quote(BOMB)} & sleep 1; echo left", timeout=120)
+        assert r.stdout == "left\n" and not r.timed_out, r
+        assert _call_processes(node) == []
+        assert sb.exec("echo fine").stdout == "fine\n"
+    assert client.call("sum(range(10))", runtime=runtime) == 45
 
 
 def test_no_network(client: shoal.Client) -> None:

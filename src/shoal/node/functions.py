@@ -57,6 +57,7 @@ PREIMPORT += tuple(filter(None, os.environ.get("SHOAL_FN_PREIMPORT", "").split("
 PICKLED = (*PREIMPORT, "cloudpickle")  # workers for cloudpickled functions also hold cloudpickle
 MAX_STAGED_BYTES = 64 << 20
 SETUP_GRACE_S = 30.0
+KILL_GRACE_S = 0.25  # per step: past its timeouts by this much, the node kills a call the worker has not
 NO_TIMEOUT_S = 7 * 86400.0
 
 
@@ -192,11 +193,11 @@ class FunctionService:
                 await loop.sock_connect(sock, f"/proc/self/fd/{dirfd}/{where.name}")
             finally:
                 os.close(dirfd)
-            fds = call_limits.open_procs(dirs)
+            procs, pids = call_limits.open_procs(dirs), call_limits.open_pids(dirs)
             try:
-                hand_over(sock, fds)
+                hand_over(sock, procs, pids)
             finally:
-                for fd in fds:
+                for fd in (*procs, *pids):
                     os.close(fd)
             reader, writer = await asyncio.open_unix_connection(sock=sock)
         except BaseException:
@@ -273,7 +274,9 @@ class FunctionService:
                 )
             limits = CallLimits(memory_mb=spec.memory_mb or DEFAULT_MEMORY_MB, pids=spec.pids or 1024, cpu=spec.cpu)
             self.calls += 1
-            reply = await worker.run(request, limits, budget_s)
+            timeouts = [step.get("timeout") for step in request["steps"]]
+            kill_after = sum(timeouts) + KILL_GRACE_S * len(timeouts) if all(timeouts) else None
+            reply = await worker.run(request, limits, budget_s, kill_after)
         finally:
             pool.release(worker)
         if reply.get("error"):

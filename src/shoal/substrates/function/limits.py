@@ -3,11 +3,18 @@
 The worker's forked child joins it by writing "0" to `cgroup.procs` files the node opened and handed over
 (SCM_RIGHTS), so the resident interpreter stays outside and a call's OOM or fork bomb hits only the call.
 The directory is removed with its sandbox (`cgroups.remove` removes children first).
+
+A call's processes die with it: the worker freezes forks (it holds `pids.max` too and writes 0 there) and
+kills what it finds, and the node, which is not starved of CPU by a fork bomb the way the worker is,
+empties the cgroup itself when a call overruns its timeout or leaves anything behind (`kill_all`). The
+next call then starts in an empty cgroup with its limits written afresh.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +51,57 @@ def is_cpu(directory: Path) -> bool:
 def open_procs(dirs: list[Path]) -> list[int]:
     """Write-only descriptors of each directory's cgroup.procs: what the worker's children write "0" to."""
     return [os.open(directory / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC) for directory in dirs]
+
+
+def open_pids(dirs: list[Path]) -> list[int]:
+    """Descriptors of the call cgroup's pids.max (write) and pids.current (read), if it has a pids
+    controller: the worker sees at a glance whether a call left anything, and stops a fork bomb from
+    refilling what it kills by writing 0 to pids.max."""
+    for directory in dirs:
+        if (directory / "pids.max").exists():
+            return [
+                os.open(directory / "pids.max", os.O_WRONLY | os.O_CLOEXEC),
+                os.open(directory / "pids.current", os.O_RDONLY | os.O_CLOEXEC),
+            ]
+    return []
+
+
+def occupied(dirs: list[Path]) -> bool:
+    """Does any process (of a finished call) remain in the call cgroup?"""
+    for directory in dirs:
+        try:
+            with open(directory / "cgroup.procs", "rb") as handle:
+                if handle.read(16).strip():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def kill_all(dirs: list[Path], timeout: float = 30.0) -> bool:
+    """SIGKILL everything in the call cgroup with forks frozen (pids.max 0; cgroup.kill on v2); True once
+    it is empty. The caller writes the limits again before the next call (`apply`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        members: set[int] = set()
+        for directory in dirs:
+            for name, value in (("pids.max", 0), ("cgroup.kill", 1)):  # again each round: the worker may thaw
+                if (directory / name).exists():
+                    _write(directory / name, value, optional=True)
+            try:
+                members.update(int(p) for p in (directory / "cgroup.procs").read_text().split())
+            except OSError:
+                continue
+        if not members:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.002)
 
 
 def apply(dirs: list[Path], limits: CallLimits) -> None:

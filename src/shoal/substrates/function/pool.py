@@ -32,6 +32,7 @@ SOCKET = f"{WORKER_DIR}/worker.sock"
 CALL_UID = CALL_GID = 65534  # "nobody": calls hold no capabilities and own nothing outside their scratch dirs
 IDLE_S = float(os.environ.get("SHOAL_FN_IDLE_S", "60"))
 GROW_AFTER_S = 0.05
+INPUT_BYTES_PER_S = 20 << 20  # the worker writes a call's inputs before its first step starts: allow for it
 RECYCLE_AFTER = 10_000  # calls; a fresh worker now and then bounds whatever slowly accumulates
 _LEN = struct.Struct(">I")
 _SOURCE = Path(__file__).with_name("worker.py")
@@ -61,30 +62,67 @@ class Worker:
     aborting: asyncio.Future | None = None
     watcher: asyncio.Future | None = None  # drains the worker process's own output; marks it broken on exit
 
-    async def run(self, request: dict[str, Any], limits: CallLimits, budget_s: float) -> dict[str, Any]:
-        """Send one request and wait for its reply; a cancelled caller aborts the call in the worker."""
+    async def run(
+        self, request: dict[str, Any], limits: CallLimits, budget_s: float, kill_after: float | None = None
+    ) -> dict[str, Any]:
+        """Send one request and wait for its reply; a cancelled caller aborts the call in the worker.
+
+        The worker enforces the steps' timeouts; `kill_after` (their sum plus a grace, plus time to write
+        the inputs) is the node's backstop for a worker starved of CPU by its own call (a fork bomb): the
+        node then empties the call cgroup itself and the step that was killed reports a timeout.
+        """
         if limits != self.limits:
             await asyncio.to_thread(call_limits.apply, self.dirs, limits)
             self.limits = limits
         # the cpu hierarchy only when a cpu limit applies: every cgroup a child joins costs it a migration
         request["join"] = [i for i, d in enumerate(self.dirs) if limits.cpu or not call_limits.is_cpu(d)]
+        request["pids"] = limits.pids
         body = json.dumps(request, separators=(",", ":")).encode()
         self.calls += 1
+        killed = False
+        if kill_after is not None:
+            kill_after += len(body) / INPUT_BYTES_PER_S
         try:
             self.writer.write(_LEN.pack(len(body)) + body)
-            reply = await asyncio.wait_for(self._read(), budget_s)
+            reading = asyncio.ensure_future(self._read())
+            try:
+                if kill_after is not None and kill_after < budget_s:
+                    done, _ = await asyncio.wait({reading}, timeout=kill_after)
+                    if not done:
+                        killed = True
+                        await self._empty_call_cgroup()
+                        budget_s -= kill_after
+                reply = await asyncio.wait_for(asyncio.shield(reading), budget_s)
+            finally:
+                if not reading.done():
+                    reading.cancel()
+                    await asyncio.gather(reading, return_exceptions=True)
         except asyncio.CancelledError:
             self.aborting = asyncio.ensure_future(self._abort())
             raise
         except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
             self.broken = True
             raise SandboxLostError(f"function worker {self.sandbox.id} stopped answering: {exc}") from exc
+        if call_limits.occupied(self.dirs):  # the call left processes the worker could not kill
+            await self._empty_call_cgroup()
         reply["oom_killed"] = False
         if any(step.get("signal") == 9 for step in reply.get("steps", ())):  # only a SIGKILL can be an OOM kill
             ooms = await asyncio.to_thread(call_limits.oom_kills, self.dirs)
             reply["oom_killed"] = ooms > self.ooms
             self.ooms = ooms
+            if killed:  # the node's kill at the deadline: the step ran out of time
+                for step in reversed(reply["steps"]):
+                    if step.get("signal") == 9:
+                        step["timed_out"] = True
+                        break
         return reply
+
+    async def _empty_call_cgroup(self) -> None:
+        """Kill everything in the call cgroup (forks frozen); its limits are written again before the next call."""
+        self.limits = None
+        if not await asyncio.to_thread(call_limits.kill_all, self.dirs):
+            self.broken = True
+            log.warning("function worker %s: its call cgroup would not empty; replacing the worker", self.sandbox.id)
 
     async def _read(self) -> dict[str, Any]:
         (length,) = _LEN.unpack(await self.reader.readexactly(4))
@@ -234,9 +272,12 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def hand_over(sock: socket.socket, fds: list[int]) -> None:
-    """The hello frame: one byte carrying the call cgroup's cgroup.procs descriptors."""
-    sock.sendmsg([b"h"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))])
+def hand_over(sock: socket.socket, procs: list[int], pids: list[int]) -> None:
+    """The hello frame: b"h" and the number of cgroup.procs descriptors, carrying those, then pids.max and
+    pids.current (if any)."""
+    fds = [*procs, *pids]
+    rights = (socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))
+    sock.sendmsg([b"h" + bytes([len(procs)])], [rights])
 
 
 def worker_source() -> bytes:

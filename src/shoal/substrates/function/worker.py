@@ -227,30 +227,77 @@ def read_outputs(paths: list[str], cwd: str) -> dict[str, str | None]:
     return found
 
 
-def kill_stragglers() -> None:
-    """SIGKILL every process in the sandbox but the agent, its relay for this worker and the worker; wait."""
+def kill_stragglers(worker: Worker | None = None) -> None:
+    """SIGKILL every process in the sandbox but the agent, its relay for this worker and the worker; wait.
+
+    With the call cgroup's pids files, a call that left nothing costs one read; otherwise forks are
+    frozen (pids.max 0: a fork bomb cannot refill what is killed), a child with the calls' uid kills
+    every process of that uid in one kill(-1) (no scan of /proc, which a bomb starves for seconds), and
+    the call's pids limit is written back once all are gone.
+    """
+    if worker is not None and worker.pids_current >= 0:
+        try:
+            if os.pread(worker.pids_current, 32, 0).strip() == b"0":
+                return
+        except OSError:
+            pass
+    frozen = False
+    if worker is not None and worker.pids_max >= 0:
+        frozen = _write_fd(worker.pids_max, b"0")
+    if worker is not None:
+        kill_as(worker.uid, worker.gid)
     spared = {"1", str(os.getpid()), str(os.getppid())}
     deadline = time.monotonic() + 5
-    while True:
-        alive = []
-        for name in os.listdir("/proc"):
-            if name[0].isdigit() and name not in spared:
+    try:
+        while True:
+            alive = []
+            for name in os.listdir("/proc"):
+                if name[0].isdigit() and name not in spared:
+                    try:
+                        with open(f"/proc/{name}/stat", "rb") as handle:
+                            state = handle.read().rsplit(b")", 1)[1].split()[0]
+                    except (OSError, IndexError):
+                        continue
+                    if state not in (b"Z", b"X"):
+                        alive.append(int(name))
+            if not alive or time.monotonic() > deadline:
+                return
+            for pid in alive:
                 try:
-                    with open(f"/proc/{name}/stat", "rb") as handle:
-                        state = handle.read().rsplit(b")", 1)[1].split()[0]
-                except (OSError, IndexError):
-                    continue
-                if state not in (b"Z", b"X"):
-                    alive.append(int(name))
-        if not alive or time.monotonic() > deadline:
-            return
-        for pid in alive:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        reap()
-        time.sleep(0.0005)
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            reap()
+            time.sleep(0.0005)
+    finally:
+        if frozen:
+            assert worker is not None
+            _write_fd(worker.pids_max, str(worker.pids or "max").encode())
+
+
+def kill_as(uid: int, gid: int) -> None:
+    """kill(-1, SIGKILL) from a child with the calls' uid: every process of that uid at once (not the
+    worker, the agent or its relay, which are root's)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            for _ in range(3):  # a process forked while the first kill walked the list gets the next
+                os.kill(-1, signal.SIGKILL)
+        except BaseException:  # noqa: BLE001 - ESRCH: nothing (more) to kill
+            pass
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def _write_fd(fd: int, data: bytes) -> bool:
+    try:
+        os.pwrite(fd, data, 0)
+        return True
+    except OSError:
+        return False
 
 
 def reap() -> None:
@@ -271,6 +318,9 @@ class Worker:
         self.uid = uid
         self.gid = gid
         self.cgroup_fds: list[int] = []
+        self.pids_max = -1  # the call cgroup's pids.max, to freeze forks while killing
+        self.pids_current = -1  # and its pids.current: is anything left?
+        self.pids = 0  # this request's pids limit, written back after a freeze
         self.join: list[int] = []  # which of them this request's children join
         self.devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
 
@@ -442,12 +492,13 @@ class Worker:
         if kill:
             os.kill(pid, signal.SIGKILL)
         _, status = os.waitpid(pid, 0)
-        kill_stragglers()
+        kill_stragglers(self)
         return status
 
     def serve_request(self, sock: socket.socket, request: dict) -> dict:
         cwd = request.get("cwd") or "/work"
         self.join = [i for i in request.get("join", range(len(self.cgroup_fds))) if 0 <= i < len(self.cgroup_fds)]
+        self.pids = int(request.get("pids") or 0)
         env = request.get("env") or {}
         reply: dict = {"steps": [], "files": {}}
         try:
@@ -465,7 +516,7 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - the request failed as a whole; say why
             reply["error"] = f"{type(exc).__name__}: {exc}"
         finally:
-            kill_stragglers()
+            kill_stragglers(self)
             wipe()
             remove_sysv_ipc(self.uid, self.gid)
         return reply
@@ -592,12 +643,17 @@ def main() -> None:
     sock, _ = listener.accept()
     listener.close()
     worker = Worker(uid, gid)
-    _, ancillary, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(16 * 4))
+    hello, ancillary, _, _ = sock.recvmsg(2, socket.CMSG_SPACE(16 * 4))
+    fds: list[int] = []
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            worker.cgroup_fds += list(struct.unpack(f"{len(data) // 4}i", data[: len(data) // 4 * 4]))
-    for fd in worker.cgroup_fds:
+            fds += list(struct.unpack(f"{len(data) // 4}i", data[: len(data) // 4 * 4]))
+    for fd in fds:
         os.set_inheritable(fd, False)
+    procs = hello[1] if len(hello) > 1 else len(fds)  # b"h" + how many are cgroup.procs; then pids.max
+    worker.cgroup_fds = fds[:procs]
+    if len(fds) == procs + 2:
+        worker.pids_max, worker.pids_current = fds[procs], fds[procs + 1]
     while True:
         try:
             request = recv_frame(sock)
