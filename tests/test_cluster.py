@@ -483,3 +483,196 @@ def test_http_checks_the_token_before_reading_a_body(guarded: LocalCluster) -> N
     # a connection that never sends a request is closed at the deadline
     with socket.create_connection((host, int(port)), timeout=20) as sock:
         assert _closed_by_peer(sock, 60)
+
+
+# ---------------------------------------------------------------- projects are isolated (issue 18, items 1-3)
+
+
+def _rpc(c: shoal.Client, op: str, args: dict | None = None) -> object:
+    return c._run(c._async.rpc(op, args or {}))
+
+
+def _node_client(lc: LocalCluster, project: str, node: int = 0) -> shoal.Client:
+    return shoal.Client(f"shoal://{lc.nodes[node].address}", token=lc.project_tokens[project])
+
+
+def test_snapshot_is_an_id_never_a_path(cluster: LocalCluster, tmp_path: Path) -> None:
+    """`snapshot=` naming a directory of the caller's choosing must not make the node start QEMU with the
+    machine config (QEMU arguments) found there: it is refused as not a snapshot id, on the node's TCP port,
+    through the gateway and through the gateway's HTTP API."""
+    marker = tmp_path / "host-file-made-by-qemu"
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    config = {
+        "machine": "q35", "accel": "tcg", "cpus": 1, "memory_mb": 64, "kernel": "/nonexistent",
+        "initramfs": "/nonexistent", "cmdline": "", "extra_args": ["-chardev", f"file,id=pwn,path={marker}"],
+    }  # fmt: skip
+    (planted / "meta.json").write_text(json.dumps({"config": config, "kind": "microvm", "image": "busybox"}))
+    (planted / "memory").write_bytes(b"")
+    with _node_client(cluster, "bob") as direct, _client(cluster, "bob") as via_gateway:
+        if "microvm" not in direct.kinds():
+            pytest.skip("QEMU is not installed on this node")
+        for c in (direct, via_gateway):
+            for bad in (str(planted), f"../../../..{planted}", "snap-../../x", "snap-0123456789abc"):
+                with pytest.raises(shoal.InvalidRequestError, match="not a snapshot id"):
+                    c.create("microvm", snapshot=bad, pool=False)
+        gw = cluster.gateways[0]
+        req = urllib.request.Request(
+            f"http://{gw.http}/v1/sandboxes",
+            data=json.dumps({"kind": "microvm", "snapshot": str(planted), "pool": False}).encode(),
+            method="POST",
+            headers={"Authorization": f"Bearer {cluster.project_tokens['bob']}"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req)
+        assert refused.value.code == 400 and "not a snapshot id" in refused.value.read().decode()
+        assert direct.list() == []
+    assert not marker.exists()
+
+
+def test_function_sandboxes_belong_to_their_project(cluster: LocalCluster) -> None:
+    """Another project's function sandbox is "not found" for every operation by ID, and function sandboxes
+    count against the sandbox quota (alice may hold 3)."""
+    with _node_client(cluster, "bob") as bob, _node_client(cluster, "alice") as alice:
+        fn = bob.create("function", image="debian")
+        try:
+            fn.files.write("/tmp/secret", b"bob's")
+            fid = fn.id
+            attempts = {
+                "get": {"sandbox_id": fid},
+                "exec": {"req": {"sandbox_id": fid, "cmd": "cat /tmp/secret"}},
+                "file_read": {"sandbox_id": fid, "path": "/tmp/secret"},
+                "file_write": {"sandbox_id": fid, "path": "/tmp/secret", "data": b"alice's"},
+                "file_list": {"sandbox_id": fid, "path": "/tmp"},
+                "keepalive": {"sandbox_id": fid},
+                "fn_call": {"spec": {"kind": "function"}, "call": {"source": "1"}, "sandbox_id": fid},
+                "kill": {"sandbox_id": fid},
+            }
+            for op, args in attempts.items():
+                with pytest.raises(shoal.SandboxNotFoundError, match="alice"):
+                    _rpc(alice, op, args)
+            assert fn.files.read("/tmp/secret") == b"bob's" and fn.exec("cat /tmp/secret").stdout == "bob's"
+            assert alice.list() == []
+        finally:
+            fn.close()
+        made = [alice.create("function", image="debian") for _ in range(3)]
+        try:
+            with pytest.raises(shoal.QuotaExceededError, match="sandboxes quota"):
+                alice.create("function", image="debian")
+        finally:
+            for sb in made:
+                sb.close()
+    with _client(cluster, "alice") as alice:  # the gateway counts them too (from the nodes' figures)
+        made = alice.create_many(3, "function", image="debian")
+        try:
+            assert all(isinstance(s, shoal.Sandbox) for s in made), made
+            with pytest.raises(shoal.QuotaExceededError, match="sandboxes quota"):
+                alice.create("function", image="debian")
+        finally:
+            for sb in made:
+                if isinstance(sb, shoal.Sandbox):
+                    sb.close()
+
+
+def test_trajectory_names_are_per_project(cluster: LocalCluster) -> None:
+    """Two projects naming a trajectory alike get two sandboxes; one cannot attach to (hijack) or squat the
+    other's name."""
+    with _node_client(cluster, "bob") as bob, _node_client(cluster, "alice") as alice:
+        theirs = bob.create(image="busybox", pool=False, trajectory="run/ep1")
+        squat = alice.create(image="busybox", pool=False, trajectory="run/ep2")  # before bob uses the name
+        try:
+            theirs.exec("echo bob > /tmp/who")
+            mine = alice.create(image="busybox", pool=False, trajectory="run/ep1")
+            try:
+                assert mine.id != theirs.id and mine.info.trajectory == "run/ep1"
+                assert mine.exec("cat /tmp/who 2>&1").exit_code != 0  # not bob's sandbox
+                assert bob.create(image="busybox", pool=False, trajectory="run/ep1").id == theirs.id
+            finally:
+                mine.close()
+            later = bob.create(image="busybox", pool=False, trajectory="run/ep2")
+            try:
+                assert later.id != squat.id and later.info.trajectory == "run/ep2"
+                assert [s.id for s in alice.list()] == [squat.id]
+            finally:
+                later.close()
+        finally:
+            theirs.close()
+            squat.close()
+
+
+def test_status_of_a_project_shows_only_its_own(cluster: LocalCluster) -> None:
+    node = cluster.nodes[0]
+    with (
+        _node_client(cluster, "bob") as bob,
+        _node_client(cluster, "alice") as alice,
+        _client(cluster, "bob") as gw,
+        bob.create(image="busybox", pool=False),
+    ):
+        for status in (alice.status(), *gw.status()["nodes"].values()):
+            assert str(node.home) not in json.dumps(status) and "home" not in status
+            assert set(status["projects"]) <= {"alice", "bob"} and len(status["projects"]) == 1
+        assert alice.status()["sandboxes"] == 0 and set(alice.status()["projects"]) == {"alice"}
+        assert bob.status()["sandboxes"] == 1
+
+
+def test_vm_snapshots_belong_to_their_project(cluster: LocalCluster) -> None:
+    """Another project can neither restore (read) nor delete a VM snapshot."""
+    with _node_client(cluster, "bob") as bob, _node_client(cluster, "alice") as alice:
+        if "microvm" not in bob.kinds():
+            pytest.skip("QEMU is not installed on this node")
+        with bob.create("microvm", image="busybox", pool=False) as vm:
+            vm.files.write("/root/secret", b"bob's secret")
+            snap = vm.snapshot()
+        try:
+            with pytest.raises(shoal.NotFoundError, match="no snapshot"):
+                alice.create("microvm", snapshot=snap, pool=False)
+            with pytest.raises(shoal.NotFoundError, match="no snapshot"):
+                alice.delete_snapshot(snap)
+            assert alice.list() == []
+            with bob.create("microvm", snapshot=snap, pool=False) as copy:  # still there, still bob's
+                assert copy.files.read("/root/secret") == b"bob's secret"
+        finally:
+            bob.delete_snapshot(snap)
+
+
+def test_images_are_per_project_and_shared_ones_read_only(tmp_path: Path) -> None:
+    """A project's `sb.snapshot(name)` lands in its own namespace: it cannot replace a shared image (builtins,
+    operator images) that other projects create from, read another project's image, or see its name.
+    A cluster with a store of its own: a regression must not poison the store other tests share."""
+    lc = LocalCluster(tmp_path, nodes=1, images=str(tmp_path / "store"), projects={"alice": {}, "bob": {}}, prefix="ti")
+    name = "env1"
+    try:
+        lc.add_gateway()
+        _wait_healthy(lc.gateways[0].address, lc.cluster_token, 1)
+        with _node_client(lc, "bob") as bob, _node_client(lc, "alice") as alice:
+            with bob.create(image="busybox", pool=False) as sb:
+                sb.exec("echo 'exit 0 # planted reward' > /reward.sh")
+                assert sb.snapshot("busybox")["name"] == "busybox"  # bob's own busybox, not the shared one
+                assert sb.snapshot(name)["name"] == name
+            with _client(lc, "alice") as via_gateway:  # the shared busybox is untouched, on every path
+                for c in (alice, via_gateway):
+                    with c.create(image="busybox", pool=False) as clean:
+                        assert clean.exec("test -e /reward.sh").exit_code == 1 and clean.info.image == "busybox"
+            with bob.create(image="busybox", pool=False) as shadow, bob.create(image=name, pool=False) as again:
+                assert shadow.exec("cat /reward.sh").exit_code == 0 and shadow.info.image == "busybox"
+                assert again.exec("cat /reward.sh").exit_code == 0 and again.info.image == name
+            assert name in bob.images() and name in {i["name"] for i in bob.image_list()}
+            assert bob.image_inspect(name)["name"] == name
+            assert name not in alice.images() and not any(n.startswith("@") for n in alice.images())
+            assert not any(i["name"].startswith("@") or i["name"] == name for i in alice.image_list())
+            with pytest.raises(shoal.ImageNotFoundError, match=name):
+                alice.create(image=name, pool=False)
+            with pytest.raises(shoal.InvalidRequestError, match="reserved"):
+                alice.create(image=f"@bob/{name}", pool=False)
+            with pytest.raises(shoal.InvalidRequestError, match="reserved"):
+                alice.image_inspect(f"@bob/{name}")
+            with alice.create(image="busybox", pool=False) as sb:  # the same name: alice's own image
+                sb.exec("echo alice > /who")
+                sb.snapshot(name)
+            with alice.create(image=name, pool=False) as mine, bob.create(image=name, pool=False) as theirs:
+                assert mine.exec("cat /who; test -e /reward.sh").stdout == "alice\n"
+                assert theirs.exec("cat /who 2>&1; cat /reward.sh").stdout.endswith("planted reward\n")
+    finally:
+        lc.stop()
+    node = lc.nodes[0]
+    assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)

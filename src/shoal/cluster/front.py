@@ -1,72 +1,36 @@
 """The node protocol over TCP: the same frames as the Unix socket, behind a token (a project per token).
 
 The first request on a TCP connection must be `auth {"token": ...}`. A project's connection sees and
-touches only its own sandboxes (they carry the label `shoal.project`) and is held to its quotas. A cluster
-connection (a gateway) names the project per request in the reserved argument `_project`; the gateway then
-enforces quotas cluster-wide, so the node does not count them again.
+touches only its own sandboxes, snapshots, trajectory names and images (cluster/tenancy.py) and is held to
+its quotas. A cluster connection (a gateway) names the project per request in the reserved argument
+`_project`; the gateway then enforces quotas cluster-wide, so the node does not count them again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from shoal.cluster.auth import PROJECT_LABEL, Identity, Tokens, Usage, cost, sandbox_of
+from shoal.cluster.auth import Identity, Tokens
+from shoal.cluster.tenancy import Tenancy
 from shoal.config import parse_hostport
-from shoal.errors import AuthenticationError, SandboxNotFoundError
+from shoal.errors import AuthenticationError
 from shoal.netguard import ConnectionGuard, Listener, serve_tcp
 from shoal.node.server import NodeServer
-from shoal.node.service import NodeService
 from shoal.protocol import Request
 
 log = logging.getLogger("shoal.tcp")
 
-PROJECT_OPS = {
-    "hello", "create", "get", "list", "kill", "close_all", "keepalive", "exec", "file_write", "file_untar", "file_read",
-    "file_list", "file_stat", "file_mkdir", "file_remove", "shell_open", "shell_run", "shell_close",
-    "image_list", "status", "image_ls", "image_inspect", "sandbox_snapshot", "set_network", "fn_call", "fn_run_code",
-    "pause", "resume", "vm_snapshot", "vm_snapshot_delete", "fork",
-}  # fmt: skip
-
-
-class NodeProjects:
-    """Per-node accounting of what each project holds, for quotas and for the gateway's cluster view."""
-
-    def __init__(self, service: NodeService, tokens: Tokens) -> None:
-        self.service = service
-        self.tokens = tokens
-        self.owned: dict[str, dict[str, tuple[float, int]]] = collections.defaultdict(dict)
-        self.reserved: dict[str, Usage] = collections.defaultdict(Usage)
-
-    def usage(self, project: str) -> Usage:
-        live = self.service.sandboxes
-        owned = self.owned[project]
-        for gone in [sid for sid in owned if sid not in live]:
-            del owned[gone]
-        total = Usage(**vars(self.reserved[project]))
-        for cpu, mem in owned.values():
-            total.add(cpu, mem)
-        return total
-
-    def all_usage(self) -> dict[str, dict[str, Any]]:
-        return {p: self.usage(p).as_dict() for p in list(self.owned)}
-
-    def owner(self, sandbox_id: str) -> str | None:
-        """The project of a live sandbox; '' if it has none; None if the node does not hold it."""
-        sandbox = self.service.sandboxes.get(sandbox_id)
-        return None if sandbox is None else sandbox.spec.labels.get(PROJECT_LABEL, "")
-
 
 class ProjectSession:
-    """One authenticated TCP connection."""
+    """One authenticated TCP connection; a project's requests are resolved by `Tenancy` (cluster/tenancy.py)."""
 
     ops = ("auth",)
 
-    def __init__(self, projects: NodeProjects) -> None:
+    def __init__(self, projects: Tenancy) -> None:
         self.projects = projects
         self.identity: Identity | None = None
 
@@ -88,43 +52,13 @@ class ProjectSession:
             if op == "status":
                 result = dict(result, projects=self.projects.all_usage())
             return result
-        enforce = not self.identity.cluster
-        if op not in PROJECT_OPS:
-            raise AuthenticationError(f"operation {op!r} needs a cluster (admin) token, not project {project!r}'s")
-        sandbox_id = sandbox_of(op, args)
-        if sandbox_id is not None:
-            owner = self.projects.owner(sandbox_id)
-            if owner is not None and owner != project:
-                node = self.projects.service.settings.node_id
-                raise SandboxNotFoundError(f"no sandbox {sandbox_id} on node {node} in project {project!r}")
-        if op in ("list", "close_all"):
-            args["labels"] = {**(args.get("labels") or {}), PROJECT_LABEL: project}
-            return await invoke(args)
-        if op == "status":
-            result = await invoke(args)
-            return dict(result, projects={project: self.projects.usage(project).as_dict()})
-        if op != "create":
-            return await invoke(args)
-        spec = dict(args.get("spec") or {})
-        spec["labels"] = {**(spec.get("labels") or {}), PROJECT_LABEL: project}
-        args["spec"] = spec
-        cpu, mem = cost(spec)
-        if enforce:
-            self.projects.tokens.check(project, self.projects.usage(project), cpu, mem)
-        reserved = self.projects.reserved[project]
-        reserved.add(cpu, mem)
-        try:
-            info = await invoke(args)
-        finally:
-            reserved.add(cpu, mem, -1)
-        self.projects.owned[project][info.id] = (cpu, mem)
-        return info
+        return await self.projects.call(project, op, args, invoke, enforce=not self.identity.cluster)
 
 
 async def listen(server: NodeServer, tokens: Tokens, where: str, home: Path) -> Listener:
     """Serve the node protocol on TCP at `where` (host:port) and write the bound address to home/node.addr.
     Peers are held to shoal.netguard's limits until they authenticate (and after, per address and idle)."""
-    projects = NodeProjects(server.service, tokens)
+    projects = Tenancy(server.service, tokens)
     server.projects = projects  # type: ignore[attr-defined]
     host, port = parse_hostport(where)
 

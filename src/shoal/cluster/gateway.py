@@ -59,10 +59,13 @@ READ_FANOUT = {"image_ls", "image_inspect"}
 NOT_CONTACTED = placement.NOT_CONTACTED
 
 
-def node_of(sandbox_id: str) -> str:
+def node_of(sandbox_id: str, known: Any = ()) -> str:
+    """The node a sandbox ID names: `<node>-<hex>`, or `<node>-fn-<hex>` for a function sandbox."""
     node, _, suffix = sandbox_id.rpartition("-")
     if not node or not suffix:
         raise InvalidRequestError(f"{sandbox_id!r} is not a sandbox ID: IDs look like <node>-<hex>")
+    if node not in known and node.endswith("-fn") and node.removesuffix("-fn") in known:
+        return node.removesuffix("-fn")
     return node
 
 
@@ -275,7 +278,10 @@ class Gateway:
         if op == "hello":
             return {"gateway": self.name, "nodes": sorted(self.nodes), "kinds": sorted(self._kinds())}
         if op == "cluster_status":
-            return self.cluster_status()
+            view = self.cluster_status()
+            if not ident.cluster:  # a project sees its own queue, not which other projects wait
+                view["queue_by_project"] = {p: d for p, d in view["queue_by_project"].items() if p == project}
+            return view
         if op == "metrics":
             return self.metrics.render()
         if op == "cluster_nodes":
@@ -321,7 +327,7 @@ class Gateway:
         sandbox_id = sandbox_of(op, args)
         if not sandbox_id:
             raise InvalidRequestError(f"{op} needs a sandbox ID")
-        node_id = node_of(sandbox_id)
+        node_id = node_of(sandbox_id, self.nodes.keys() | self.gone.keys())
         view = self.nodes.get(node_id)
         if op == "kill" and view is None and node_id in self.gone:
             return None  # its node left the cluster: the sandbox is gone already, and closing twice is fine

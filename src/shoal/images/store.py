@@ -148,6 +148,13 @@ class ImageStore:
             return []
         return sorted(urllib.parse.unquote(p.name[:-5]) for p in self.images_dir.glob("*.json"))
 
+    def has(self, name: str) -> bool:
+        """Is image `name` present (registered, not merely buildable)?"""
+        try:
+            return (self.images_dir / _record_name(name)).exists()
+        except ImageNotFoundError:  # not a valid name
+            return False
+
     def record(self, name: str) -> dict[str, Any]:
         try:
             return json.loads((self.images_dir / _record_name(name)).read_text())

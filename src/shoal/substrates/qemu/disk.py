@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -17,6 +18,12 @@ from shoal.images import Image
 MIN_DISK_MB = 2048
 
 
+def file_part(name: str) -> str:
+    """An image name as one safe file name component (names may hold '/', '..', ':'); the callers add a
+    digest, so names that map to the same text never share a file."""
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", name).lstrip(".")[:80] or "_"
+
+
 def base_disk(image: Image, cache: Path, extra: dict[str, str] | None = None) -> Path:
     """The image's layers as an ext4 file system in a raw file, built once and shared by every VM.
 
@@ -26,7 +33,7 @@ def base_disk(image: Image, cache: Path, extra: dict[str, str] | None = None) ->
     digest = hashlib.sha256("\0".join(image.layer_ids or tuple(str(p) for p in image.layers)).encode())
     for guest_path, host_path in sorted((extra or {}).items()):
         digest.update(guest_path.encode() + hashlib.sha256(Path(host_path).read_bytes()).digest())
-    target = cache / "disks" / f"{image.name}-{digest.hexdigest()[:16]}.raw"
+    target = cache / "disks" / f"{file_part(image.name)}-{digest.hexdigest()[:16]}.raw"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

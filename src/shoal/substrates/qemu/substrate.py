@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -37,11 +38,23 @@ from shoal.protocol import SandboxSpec
 from shoal.substrates.base import Instance, Substrate
 from shoal.substrates.qemu import accel as accel_mod
 from shoal.substrates.qemu.bridge import AgentBridge
-from shoal.substrates.qemu.disk import base_disk, overlay
+from shoal.substrates.qemu.disk import base_disk, file_part, overlay
 from shoal.substrates.qemu.kernel import cache_dir, ensure_boot_files
 from shoal.substrates.qemu.machine import Machine, MachineConfig, kill_recorded
 
 log = logging.getLogger("shoal.vm")
+
+SNAPSHOT_ID = re.compile(r"snap-[0-9a-f]{12}")
+
+
+def check_snapshot_id(snap_id: object) -> str:
+    """`snap_id` if it has the form sb.snapshot() returns. Never a path: a caller must not be able to make the
+    node read a machine config (QEMU arguments) from a place of its choosing."""
+    if not isinstance(snap_id, str) or not SNAPSHOT_ID.fullmatch(snap_id):
+        raise InvalidRequestError(
+            f"{snap_id!r} is not a snapshot id: ids look like snap-<12 hex digits>, as sb.snapshot() returns"
+        )
+    return snap_id
 
 
 @dataclass
@@ -124,7 +137,7 @@ class QemuSubstrate(Substrate):
             await bridge.start()
             self._running[sandbox_id] = Running(machine=None, bridge=bridge)  # type: ignore[arg-type]
             if snapshot is not None:
-                source = self.snapshots_dir / snapshot
+                source = self.snapshot_dir(snapshot)
                 if not (source / "meta.json").exists():
                     raise NotFoundError(f"no snapshot {snapshot!r} on this node (deleted, or made by another node)")
                 await self._restore(instance, source)
@@ -209,7 +222,7 @@ class QemuSubstrate(Substrate):
         identity = hashlib.sha256(
             json.dumps([config.to_json(), disk.name, self.shared_memory], sort_keys=True).encode()
         ).hexdigest()
-        key = f"{self.kind}-{image.name}-{config.cpus}c-{config.memory_mb}m-{config.accel}-{identity[:12]}"
+        key = f"{self.kind}-{file_part(image.name)}-{config.cpus}c-{config.memory_mb}m-{config.accel}-{identity[:12]}"
         target = self.templates_dir / key
         lock = self._template_locks.setdefault(key, asyncio.Lock())
         async with lock:
@@ -303,16 +316,18 @@ class QemuSubstrate(Substrate):
             raise
         return snap_id
 
+    def snapshot_dir(self, snap_id: str) -> Path:
+        """Where snapshot `snap_id` lives (the id checked: never a path)."""
+        return self.snapshots_dir / check_snapshot_id(snap_id)
+
     def snapshot_meta(self, snap_id: str) -> dict:
         try:
-            return json.loads((self.snapshots_dir / snap_id / "meta.json").read_text())
+            return json.loads((self.snapshot_dir(snap_id) / "meta.json").read_text())
         except (OSError, ValueError):
             raise NotFoundError(f"no snapshot {snap_id!r} on this node (deleted, or made by another node)") from None
 
     def delete_snapshot(self, snap_id: str) -> None:
-        if "/" in snap_id or not snap_id.startswith("snap-"):
-            raise InvalidRequestError(f"{snap_id!r} is not a snapshot id")
-        shutil.rmtree(self.snapshots_dir / snap_id, ignore_errors=True)
+        shutil.rmtree(self.snapshot_dir(snap_id), ignore_errors=True)
 
     def delete_all_snapshots(self) -> None:
         """Snapshots live as long as the node that made them (sandboxes keep their own copies)."""
