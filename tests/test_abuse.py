@@ -9,6 +9,7 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -173,3 +174,44 @@ def test_mass_sockets(client: shoal.Client, neighbour: shoal.Sandbox) -> None:
         assert "Too many open files" in r.stdout or r.oom_killed, r
         assert abuser.exec("echo ok").stdout == "ok\n"
     assert_neighbour_and_node_fine(client, neighbour)
+
+
+def _cgroup_value(cgroup_path: str, v2_name: str, v1_controller: str, v1_name: str) -> str:
+    from shoal import cgroups
+
+    rel = cgroup_path.lstrip("/")
+    path = cgroups.ROOT / rel / v2_name if cgroups.layout() == "v2" else cgroups.ROOT / v1_controller / rel / v1_name
+    return path.read_text().strip()
+
+
+def _agent_pid(cgroup_path: str) -> int:
+    """The host pid of the sandbox's PID 1 (its agent)."""
+    from shoal import cgroups
+
+    for pid in cgroups.procs(cgroup_path):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:") and line.split()[-1] == "1":
+                return pid
+    raise AssertionError(f"no agent among {cgroups.procs(cgroup_path)}")
+
+
+def test_default_caps_and_the_oom_shield_apply(client: shoal.Client, node) -> None:  # noqa: ANN001
+    """A sandbox that names no memory_mb gets the node's default cap (and pids 1024); the OOM killer takes
+    sandbox commands (oom_score_adj +1000) before agents and the node (-1000 where the host allows it)."""
+    from shoal.config import default_memory_mb
+
+    # -1000 needs CAP_SYS_RESOURCE (absent in some containers); commands go first either way (+1000)
+    privileged = int(Path("/proc/self/status").read_text().split("CapEff:")[1].split()[0], 16) & (1 << 24)
+    shielded = "-1000" if privileged else "0"
+    assert Path(f"/proc/{node.pid}/oom_score_adj").read_text().strip() == shielded
+    with client.create(image="busybox", pool=False) as sb:
+        cgroup = f"/{node.cgroup_parent}/{sb.id}"
+        limit = _cgroup_value(cgroup, "memory.max", "memory", "memory.limit_in_bytes")
+        assert int(limit) == default_memory_mb() << 20
+        assert _cgroup_value(cgroup, "pids.max", "pids", "pids.max") == "1024"
+        assert Path(f"/proc/{_agent_pid(cgroup)}/oom_score_adj").read_text().strip() == shielded
+        assert sb.exec("cat /proc/self/oom_score_adj").stdout.strip() == "1000"
+    with client.create(image="busybox", pool=False, memory_mb=256, pids=64) as sb:  # overridable
+        cgroup = f"/{node.cgroup_parent}/{sb.id}"
+        assert int(_cgroup_value(cgroup, "memory.max", "memory", "memory.limit_in_bytes")) == 256 << 20
+        assert _cgroup_value(cgroup, "pids.max", "pids", "pids.max") == "64"

@@ -63,6 +63,9 @@ class NodeSettings:
     build_network: str = "*"
     # the CPU weight of all sandboxes together, in busy host processes (default: one per CPU of the host)
     sandboxes_cpu_weight: float = 0.0
+    # caps for container sandboxes that name none (0: no cap); see docs/SECURITY.md "Default caps"
+    default_memory_mb: int = 0
+    default_disk_mb: int = 0
 
     @classmethod
     def from_env(cls, home: Path | None = None) -> NodeSettings:
@@ -79,7 +82,16 @@ class NodeSettings:
             log_retention_s=float(os.environ.get("SHOAL_LOG_RETENTION_S", str(7 * 86400))),
             build_network=os.environ.get("SHOAL_BUILD_NETWORK", "*"),
             sandboxes_cpu_weight=float(os.environ.get("SHOAL_SANDBOXES_CPU_WEIGHT", "0")),
+            default_memory_mb=int(os.environ.get("SHOAL_DEFAULT_MEMORY_MB", str(default_memory_mb()))),
+            default_disk_mb=int(os.environ.get("SHOAL_DEFAULT_DISK_MB", "0") or 0),
         )
+
+
+def default_memory_mb() -> int:
+    """4 GiB, or half the host's memory if that is less: one sandbox that names no memory_mb cannot take
+    the host down with it (and its neighbours and the node)."""
+    total_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+    return min(4096, total_mb // 2)
 
 
 def default_cgroup_parent(home: Path | None) -> str:

@@ -522,10 +522,11 @@ static void exec_child(const char *cwd, uint32_t uid, uint32_t gid, int in_rd, i
                        int err_wr, char **argv, char **envp) {
     setsid();
     {
-        /* The node shields the agent from the OOM killer (-1000); commands must not inherit that. */
+        /* Commands are the OOM killer's first choice (+1000), before the agent and the node (which also
+           try -1000; that needs CAP_SYS_RESOURCE, raising a score does not, so this works on every host). */
         int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
         if (oom >= 0) {
-            if (write(oom, "0", 1) < 0) { /* best effort */ }
+            if (write(oom, "1000", 4) < 0) { /* best effort */ }
             close(oom);
         }
     }

@@ -237,6 +237,7 @@ class NodeService:
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         self._validate(spec)
+        spec = self._with_default_caps(spec)
         if spec.kind == "function":
             return await self.functions.create(spec)
         if spec.trajectory:
@@ -308,6 +309,19 @@ class NodeService:
             self._get(target)  # raises the precise error
         assert sandbox is not None
         return sandbox.info()
+
+    def _with_default_caps(self, spec: SandboxSpec) -> SandboxSpec:
+        """A container that names no memory_mb / disk_mb gets the node's defaults (SHOAL_DEFAULT_MEMORY_MB,
+        SHOAL_DEFAULT_DISK_MB; 0 turns a default off), so one tenant cannot exhaust the host's memory or the
+        disk that holds the trajectory log. pids defaults to 1024 in the spec itself."""
+        if spec.kind != "container":
+            return spec
+        changes: dict[str, int] = {}
+        if spec.memory_mb is None and self.settings.default_memory_mb > 0:
+            changes["memory_mb"] = self.settings.default_memory_mb
+        if spec.disk_mb is None and self.settings.default_disk_mb > 0:
+            changes["disk_mb"] = self.settings.default_disk_mb
+        return msgspec.structs.replace(spec, **changes) if changes else spec
 
     def _validate(self, spec: SandboxSpec) -> None:
         if spec.kind not in self.substrates and spec.kind != "function":
@@ -1128,8 +1142,8 @@ def _shield_node_from_oom_killer() -> None:
     try:
         with open("/proc/self/oom_score_adj", "w") as handle:
             handle.write("-1000")
-    except OSError:
-        log.warning("could not shield the node from the OOM killer")
+    except OSError as exc:  # no CAP_SYS_RESOURCE (e.g. in a container): commands still run at +1000
+        log.info("the node's oom_score_adj stays at its default (%s); sandbox commands run at +1000", exc.strerror)
 
 
 def untar_files(data: bytes, target: str, write: Any) -> int:
