@@ -66,6 +66,16 @@ def set_parent_cpu_weight(path: str, cpus: float) -> Path | None:
     return directory / name
 
 
+def pids_current(path: str) -> int | None:
+    """How many tasks the cgroup holds now (pids controller), or None if it cannot be read."""
+    rel = path.lstrip("/")
+    base = ROOT / rel if layout() == "v2" else ROOT / "pids" / rel
+    try:
+        return int((base / "pids.current").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def procs(path: str) -> list[int]:
     found: set[int] = set()
     for directory in sandbox_dirs(path):

@@ -68,6 +68,11 @@ class NodeSettingsWarning(UserWarning):
     it keeps its own until it is restarted (`shoal node stop`, then connect again)."""
 
 
+class PayloadNotKeptError(ShoalError):
+    """A logged step's bulk payload (a file read over 64 KiB) was kept in the trajectory log only as its
+    digest and size, and the file no longer holds those bytes, so the step cannot be answered again."""
+
+
 class UnsafeEntryWarning(UserWarning):
     """A download skipped what the sandbox reported because it could lead outside the local target
     (a symlink to an absolute path or out through `..`, a name that is not a plain relative path)."""
@@ -91,5 +96,6 @@ ERROR_TYPES: dict[str, type[ShoalError]] = {
         DivergenceError,
         AuthenticationError,
         QuotaExceededError,
+        PayloadNotKeptError,
     ]
 }

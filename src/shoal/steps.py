@@ -13,6 +13,10 @@ from typing import Any
 
 import msgspec
 
+# Payloads above this many bytes (a file's data written or read, an exec's stdin) are logged as their
+# digest and size, not their bytes: the log stays small and its group commits fast (issue 18).
+BULK_BYTES = 64 << 10
+
 VOLATILE = frozenset({"timeout", "idle_timeout", "stream", "output_cap_bytes", "seq", "sandbox_id", "max_bytes"})
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -20,6 +24,32 @@ _encode = msgspec.msgpack.Encoder().encode
 def step_key(op: str, args: dict[str, Any]) -> str:
     identity = {k: v for k, v in sorted(args.items()) if k not in VOLATILE and v not in (None, {}, [], False)}
     return hashlib.blake2b(_encode([op, identity]), digest_size=12).hexdigest()
+
+
+def digest(data: bytes) -> str:
+    return "blake2b:" + hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def bulk(data: bytes, known_digest: str | None = None) -> dict[str, Any]:
+    """What the log keeps of a payload over BULK_BYTES (see `is_bulk`)."""
+    return {"bulk": known_digest or digest(data), "size": len(data)}
+
+
+def is_bulk(value: Any) -> bool:
+    """A payload the log kept only as {"bulk": digest, "size": bytes}."""
+    return isinstance(value, dict) and len(value) == 2 and "bulk" in value and "size" in value
+
+
+BULK_ARGS = {"file_write": "data", "file_untar": "data", "exec": "stdin", "shell_run": "stdin"}
+
+
+def loggable_args(op: str, args: dict[str, Any]) -> dict[str, Any]:
+    """`args` as the log keeps them: a bulk payload argument replaced by its digest and size."""
+    name = BULK_ARGS.get(op)
+    value = args.get(name) if name else None
+    if isinstance(value, bytes | bytearray | memoryview) and len(value) > BULK_BYTES:
+        return {**args, name: bulk(bytes(value))}
+    return args
 
 
 def describe(op: str, args: dict[str, Any]) -> str:
@@ -30,9 +60,11 @@ def describe(op: str, args: dict[str, Any]) -> str:
         return text + (f" {extras}" if extras else "")
     if op == "file_write":
         data = args.get("data") or b""
-        return f"file_write {args.get('path')!r} ({len(data)} bytes{', append' if args.get('append') else ''})"
+        size = data["size"] if is_bulk(data) else len(data)
+        return f"file_write {args.get('path')!r} ({size} bytes{', append' if args.get('append') else ''})"
     if op == "file_untar":
-        return f"file_untar {args.get('path')!r} ({len(args.get('data') or b'')} bytes of tar)"
+        data = args.get("data") or b""
+        return f"file_untar {args.get('path')!r} ({data['size'] if is_bulk(data) else len(data)} bytes of tar)"
     if op == "sandbox_snapshot":
         return f"snapshot as image {args.get('name')!r}"
     if "path" in args:

@@ -29,7 +29,7 @@ from shoal.errors import (
     UnsafeEntryWarning,
 )
 from shoal.protocol import OutputChunk, SandboxSpec
-from shoal.steps import describe, divergence_message, step_key
+from shoal.steps import describe, divergence_message, is_bulk, step_key
 
 DEFAULT_TIMEOUT = 60.0
 _REPEATABLE = {"get", "list", "status", "file_read", "file_list", "file_stat", "image_list", "kill", "keepalive"}
@@ -502,7 +502,8 @@ class AsyncSandbox:
                     if seq not in self._ahead:
                         await self._fetch(seq)
             logged = self._ahead.pop(seq, None)
-            if logged is not None and logged["finished_at"] is not None:  # unfinished: the node decides
+            # unfinished, or a read whose bytes the log kept only as a digest: the node decides
+            if logged is not None and logged["finished_at"] is not None and not is_bulk(logged["result"]):
                 return self._fast_forward(op, args, logged)
         try:
             return await self.client.call(op, {"req": args} if op == "exec" else args, **call_options)

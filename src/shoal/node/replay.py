@@ -3,7 +3,8 @@
 The fresh sandbox gets the recorded spec (optionally another image) and each logged step is issued again
 in order; its own steps are logged as usual. A step differs when its outcome does: exit code, stdout,
 stderr, timed_out or signal for commands; the value (or error) for file operations. Durations, shell IDs
-and file mtimes are not compared. Snapshot steps are listed as skipped, not re-run.
+and file mtimes are not compared. Snapshot steps are listed as skipped, not re-run, and so are steps whose
+input payload the log kept only as a digest (steps.BULK_BYTES); a large read is compared by digest.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import msgspec
 from shoal.errors import InvalidRequestError, SandboxNotFoundError
 from shoal.node.trajectory import Step, _error
 from shoal.protocol import ExecRequest, SandboxSpec, convert
+from shoal.steps import BULK_ARGS, BULK_BYTES, bulk, is_bulk
 
 if TYPE_CHECKING:
     from shoal.node.service import NodeService
@@ -40,6 +42,11 @@ async def replay(service: NodeService, sandbox_id: str, image: str | None, keep:
         for step in steps:
             if step.op in NOT_REPLAYED:
                 skipped.append({"seq": step.seq, "step": step.describe(), "why": NOT_REPLAYED[step.op]})
+                continue
+            name = BULK_ARGS.get(step.op)
+            if name and is_bulk(step.args.get(name)):
+                why = f"its {name} ({step.args[name]['size']} bytes) was logged as a digest only (over {BULK_BYTES})"
+                skipped.append({"seq": step.seq, "step": step.describe(), "why": why})
                 continue
             try:
                 outcome: Any = _roundtrip(_encode(await _issue(service, info.id, step, shells)))
@@ -90,6 +97,10 @@ def _compare(step: Step, outcome: Any, error: tuple[str, str] | None) -> list[di
             for name in EXEC_FIELDS
             if step.result.get(name) != outcome.get(name)
         ]
+    if is_bulk(step.result) and isinstance(outcome, bytes):  # a large read: compare digests
+        if bulk(outcome) != step.result:
+            return [{**base, "field": "result", "logged": step.result, "replayed": bulk(outcome)}]
+        return []
     if _without_mtime(step.result) != _without_mtime(outcome):
         return [{**base, "field": "result", "logged": step.result, "replayed": outcome}]
     return []

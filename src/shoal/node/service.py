@@ -688,6 +688,12 @@ class NodeService:
                 raise
             if not isinstance(exc, (ConnectionError, FileNotFoundError)) or not await self._agent_alive(sandbox):
                 raise await self._lost(sandbox, exc) from exc
+            current = cgroups.pids_current(sandbox.instance.cgroup_path)
+            if sandbox.spec.pids and current is not None and current >= sandbox.spec.pids - 2:
+                raise CapacityError(  # the agent's handler could not fork either: say why
+                    f"sandbox {sandbox.id} could not start the command: it holds {current} tasks and its pids "
+                    f"limit is {sandbox.spec.pids}; wait for processes to exit or kill them"
+                ) from None
             raise CapacityError(f"sandbox {sandbox.id} dropped the command before it started: {exc}") from None
         stdout, stderr = bytearray(), bytearray()
         timed_out = killed_inside = False

@@ -8,6 +8,12 @@ primary key take microseconds.
 
 A step's `key` (shoal/steps.py) is a digest of the arguments that define it; a re-issued step with the
 same sequence number and key returns the logged result, a different key is a divergence.
+
+Bulk payloads (over steps.BULK_BYTES, 64 KiB: the data of a file write, an exec's stdin, the bytes a file
+read returned) are logged as their digest and size, not their bytes. A re-issued write is still checked
+against the log (the key digests the data); a re-issued read of a logged step reads the file again and
+returns it only if it still has the logged digest and size, else raises PayloadNotKeptError (the log cannot
+give back bytes it did not keep). Digests of large payloads are computed off the event loop.
 """
 
 from __future__ import annotations
@@ -25,7 +31,17 @@ from typing import Any
 
 import msgspec
 
-from shoal.steps import describe, divergence_message, step_key
+from shoal.steps import (
+    BULK_ARGS,
+    BULK_BYTES,
+    bulk,
+    describe,
+    digest,
+    divergence_message,
+    is_bulk,
+    loggable_args,
+    step_key,
+)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -288,7 +304,8 @@ class Recorder:
 
         if not sandbox.spec.record:
             return await run()
-        key = step_key(op, args)
+        big = _payload_size(op, args) > _OFF_LOOP_BYTES
+        key = await asyncio.to_thread(step_key, op, args) if big else step_key(op, args)
         if seq is None:
             seq = sandbox.next_seq
         if seq < 0:
@@ -303,6 +320,8 @@ class Recorder:
             if logged.key != key:
                 raise DivergenceError(divergence_message(sandbox.id, seq, logged.describe(), describe(op, args)))
             self.fast_forwarded += 1
+            if op == "file_read" and logged.error_type is None and is_bulk(logged.result):
+                return await _read_again(sandbox.id, seq, args, logged.result, run)
             return _replay_outcome(logged)
         if seq > sandbox.next_seq:
             raise InvalidRequestError(
@@ -322,6 +341,9 @@ class Recorder:
 
     async def _run_and_log(self, sandbox: Any, seq: int, op: str, key: str, args: dict, run: Any) -> Any:
         started = time.time()
+        if _payload_size(op, args) > BULK_BYTES:  # the log keeps a digest of the payload, not its bytes
+            big = _payload_size(op, args) > _OFF_LOOP_BYTES
+            args = await asyncio.to_thread(loggable_args, op, args) if big else loggable_args(op, args)
         try:
             if self.intents:
                 await self.log.begin(sandbox.id, seq, op, key, args, started)
@@ -334,11 +356,44 @@ class Recorder:
             except Exception as exc:
                 await self.log.append(sandbox.id, seq, op, key, args, None, _error(exc), started)
                 raise
-            await self.log.append(sandbox.id, seq, op, key, args, result, None, started)
+            logged = result
+            if op == "file_read" and isinstance(result, bytes) and len(result) > BULK_BYTES:
+                logged = await asyncio.to_thread(bulk, result) if len(result) > _OFF_LOOP_BYTES else bulk(result)
+            await self.log.append(sandbox.id, seq, op, key, args, logged, None, started)
             return result
         finally:
             sandbox.inflight.pop(seq, None)
             sandbox.last_active = time.time()
+
+
+_OFF_LOOP_BYTES = 1 << 20  # hashing more than this goes to a thread (blake2b releases the GIL)
+
+
+def _payload_size(op: str, args: dict[str, Any]) -> int:
+    name = BULK_ARGS.get(op)
+    value = args.get(name) if name else None
+    return len(value) if isinstance(value, bytes | bytearray | memoryview) else 0
+
+
+async def _read_again(sandbox_id: str, seq: int, args: dict[str, Any], kept: dict[str, Any], run: Any) -> bytes:
+    """A logged read whose bytes the log did not keep: read the file again and give it back only if it is
+    still exactly what step `seq` read (same digest and size)."""
+    from shoal.errors import PayloadNotKeptError
+
+    try:
+        data = await run()
+    except (OSError, ValueError) as exc:
+        data, problem = None, f"reading it again failed ({exc})"
+    if data is not None:
+        if len(data) == kept["size"]:
+            now = await asyncio.to_thread(digest, data) if len(data) > _OFF_LOOP_BYTES else digest(data)
+            if now == kept["bulk"]:
+                return data
+        problem = f"the file now holds {len(data)} bytes that differ from the {kept['size']} bytes it read"
+    raise PayloadNotKeptError(
+        f"step {seq} of sandbox {sandbox_id} read {args.get('path')!r} ({kept['size']} bytes); the trajectory log "
+        f"keeps payloads over {BULK_BYTES} bytes as a digest only, and {problem}; read the file as a new step"
+    )
 
 
 def _error(exc: BaseException) -> tuple[str, str]:
