@@ -215,3 +215,34 @@ def test_default_caps_and_the_oom_shield_apply(client: shoal.Client, node) -> No
         cgroup = f"/{node.cgroup_parent}/{sb.id}"
         assert int(_cgroup_value(cgroup, "memory.max", "memory", "memory.limit_in_bytes")) == 256 << 20
         assert _cgroup_value(cgroup, "pids.max", "pids", "pids.max") == "64"
+
+
+def test_a_full_disk_does_not_stop_the_other_sandboxes_steps(tmp_path: Path) -> None:
+    """A sandbox without a disk cap fills the disk the node's home is on (a 96 MiB tmpfs here): the
+    trajectory log's reserve is released, so a neighbour's steps are still logged and answered."""
+    from conftest import NodeProcess, no_leftovers
+
+    home = tmp_path / "home"
+    home.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(home)], check=True)
+    node = NodeProcess(home, f"shoal-full-{os.getpid()}", SHOAL_LOG_RESERVE_MB="16", SHOAL_DEFAULT_DISK_MB="0")
+    try:
+        node.start()
+        client = node.client()
+        with (
+            client as c,
+            c.create(image="busybox", pool=False) as neighbour,
+            c.create(image="busybox", pool=False) as abuser,
+        ):
+            assert neighbour.exec("echo before").stdout == "before\n"
+            r = abuser.exec("dd if=/dev/zero of=/fill bs=1M", timeout=120)
+            assert "No space left on device" in r.stderr, r
+            for i in range(20):  # every one is logged before it is answered
+                assert neighbour.exec(f"echo {i}").stdout == f"{i}\n"
+            assert c.status()["trajectory"]["reserve_released"] == 1
+            assert len(neighbour.log()) == 21
+            assert abuser.exec("rm /fill && echo freed").stdout == "freed\n"
+    finally:
+        node.stop()
+        subprocess.run(["umount", "-l", str(home)], check=False)
+    assert not no_leftovers(home, node.cgroup_parent, node_stopped=True)

@@ -954,6 +954,7 @@ class NodeService:
 
     async def pool_set(self, spec: SandboxSpec, size: int, wait: bool = False) -> dict[str, Any]:
         self._validate(spec)
+        spec = self._with_default_caps(spec)  # the same pool key a create without caps will look up
         if spec.kind == "function":
             return await self.functions.set_warm(spec, size, wait)
         await self.node_images.resolve(spec.image, spec.layers)
@@ -1092,6 +1093,7 @@ class NodeService:
                 "appended": self.trajectory.appended,
                 "commits": self.trajectory.commits,
                 "fast_forwarded": self.recorder.fast_forwarded,
+                "reserve_released": self.trajectory.reserve_released,  # times a full disk took the reserve
             },
         }
 

@@ -19,6 +19,8 @@ give back bytes it did not keep). Digests of large payloads are computed off the
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import queue
 import sqlite3
 import threading
@@ -55,6 +57,8 @@ CREATE TABLE IF NOT EXISTS steps (
     PRIMARY KEY (sandbox_id, seq)
 ) WITHOUT ROWID;
 """
+
+log = logging.getLogger("shoal.trajectory")
 
 # Tasks whose client connection went away: a logged step they run keeps going and is logged (see service).
 detached_tasks: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
@@ -96,11 +100,24 @@ class Step:
 
 
 class TrajectoryLog:
-    """Append steps durably (group commit on a writer thread); read them back on the caller's thread."""
+    """Append steps durably (group commit on a writer thread); read them back on the caller's thread.
 
-    def __init__(self, path: Path) -> None:
+    Disk reserve: a file of `reserve_bytes` (SHOAL_LOG_RESERVE_MB, default 64) is allocated next to the
+    database. When a commit fails because the disk is full (a sandbox without a disk cap filled the disk
+    the node's home is on), the reserve is deleted and the commit retried, so every other sandbox's steps
+    go on being logged (thousands of steps fit: bulk payloads are digests); the reserve is allocated again
+    once the disk has room. Without the reserve a full disk fails every sandbox's steps."""
+
+    def __init__(self, path: Path, reserve_bytes: int | None = None) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        if reserve_bytes is None:
+            reserve_bytes = int(float(os.environ.get("SHOAL_LOG_RESERVE_MB", "64")) * (1 << 20))
+        self.reserve = path.with_name(path.name + ".reserve")
+        self.reserve_bytes = reserve_bytes
+        self.reserve_released = 0  # times the reserve was given up for a commit
+        self._reserve_checked = 0.0
+        self._ensure_reserve()
         self._reader = self._connect()
         self._reader.executescript(SCHEMA)
         self._queue: queue.SimpleQueue[tuple[str, tuple, asyncio.Future, asyncio.AbstractEventLoop, bool] | None]
@@ -183,6 +200,49 @@ class TrajectoryLog:
         await self._submit(f"DELETE FROM steps WHERE sandbox_id IN ({ended})", (closed_before,), fsync=False)
         await self._submit(f"DELETE FROM sandboxes WHERE id IN ({ended})", (closed_before,), fsync=False)
 
+    def _ensure_reserve(self) -> None:
+        """(Re)allocate the reserve file if it is missing and the disk has room for it and as much again."""
+        if self.reserve_bytes <= 0:
+            return
+        try:
+            if self.reserve.exists() and self.reserve.stat().st_blocks * 512 >= self.reserve_bytes:
+                return
+            stat = os.statvfs(self.path.parent)
+            if stat.f_bavail * stat.f_frsize < 2 * self.reserve_bytes:
+                return
+            fd = os.open(self.reserve, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.reserve_bytes)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self.reserve.unlink(missing_ok=True)
+            log.warning("could not allocate the trajectory log's disk reserve %s: %s", self.reserve, exc)
+
+    def _release_reserve(self) -> bool:
+        try:
+            self.reserve.unlink()
+        except FileNotFoundError:
+            return False
+        self.reserve_released += 1
+        log.error(
+            "the disk holding %s is full: released the log's %d MiB reserve so steps go on being logged; "
+            "find the sandbox filling it (create sandboxes with disk_mb, or set SHOAL_DEFAULT_DISK_MB)",
+            self.path, self.reserve_bytes >> 20,
+        )  # fmt: skip
+        return True
+
+    def _commit(self, db: sqlite3.Connection, batch: list) -> None:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for sql, params, _, _, _ in batch:
+                db.execute(sql, params)
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+
     def _write_forever(self) -> None:
         db = self._connect()
         synchronous = "FULL"
@@ -206,16 +266,19 @@ class TrajectoryLog:
                 if wanted != synchronous:
                     db.execute(f"PRAGMA synchronous={wanted}")
                     synchronous = wanted
-                db.execute("BEGIN IMMEDIATE")
-                for sql, params, _, _, _ in batch:
-                    db.execute(sql, params)
-                db.execute("COMMIT")
+                try:
+                    self._commit(db, batch)
+                except sqlite3.OperationalError as exc:
+                    if "full" not in str(exc) or not self._release_reserve():
+                        raise
+                    self._commit(db, batch)  # with the reserve's space
                 self.commits += 1
                 self.appended += len(batch)
+                if self.reserve_bytes > 0 and time.monotonic() - self._reserve_checked > 10:
+                    self._reserve_checked = time.monotonic()
+                    self._ensure_reserve()
             except BaseException as exc:  # report to every waiter; the node keeps running
                 failure = exc
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
             for _, _, future, loop, _ in batch:
                 loop.call_soon_threadsafe(_settle, future, failure)
         db.close()
