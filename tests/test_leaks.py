@@ -11,6 +11,7 @@ import pytest
 from conftest import NodeProcess, leftovers, no_leftovers
 
 import shoal
+from shoal.config import default_memory_mb
 
 
 def test_many_cycles_leave_nothing(client: shoal.Client, node: NodeProcess) -> None:
@@ -90,7 +91,8 @@ def test_pools_from_settings_and_ttl_expiry_leave_nothing(tmp_path) -> None:  # 
     try:
         with pooled.client() as client:
             deadline = time.monotonic() + 30
-            while client.status()["pools"].get("container:busybox:crun:cpu=:mem=None:pids=1024", {}).get("ready") != 2:
+            key = f"container:busybox:crun:cpu=:mem={default_memory_mb()}:pids=1024"  # the node's default cap
+            while client.status()["pools"].get(key, {}).get("ready") != 2:
                 assert time.monotonic() < deadline, client.status()
                 time.sleep(0.05)
             sb = client.create(image="busybox", ttl_s=0.3)
