@@ -372,3 +372,22 @@ def test_download_never_leads_outside_its_target(client: shoal.Client, tmp_path:
         (tmp_path / "one").symlink_to(outside / "victim")
         assert sb.files.download("/out/data.txt", str(tmp_path / "one")) == 1
         assert (outside / "victim").read_text() == "host file\n" and (tmp_path / "one").read_text() == "data\n"
+
+
+def test_snapshot_is_never_a_path_even_locally(client: shoal.Client, tmp_path: Path) -> None:
+    """`snapshot=` is an id, also for a trusted local caller: a directory with a machine config of the
+    caller's choosing (QEMU arguments) is refused before anything reads it. Through a node's TCP port and a
+    gateway: tests/test_cluster.py::test_snapshot_is_an_id_never_a_path."""
+    if "microvm" not in client.kinds():
+        pytest.skip("QEMU is not installed on this node")
+    marker = tmp_path / "made-by-qemu"
+    config = {"machine": "q35", "accel": "tcg", "cpus": 1, "memory_mb": 64, "kernel": "/nonexistent",
+              "initramfs": "/nonexistent", "cmdline": "",
+              "extra_args": ["-chardev", f"file,id=x,path={marker}"]}  # fmt: skip
+    (tmp_path / "meta.json").write_text(json.dumps({"config": config, "kind": "microvm", "image": "busybox"}))
+    for bad in (str(tmp_path), "../" * 8 + str(tmp_path), "snap-../x"):
+        with pytest.raises(shoal.InvalidRequestError, match="not a snapshot id"):
+            client.create("microvm", snapshot=bad, pool=False)
+        with pytest.raises(shoal.InvalidRequestError, match="not a snapshot id"):
+            client.delete_snapshot(bad)
+    assert not marker.exists()

@@ -321,8 +321,9 @@ class QemuSubstrate(Substrate):
         return self.snapshots_dir / check_snapshot_id(snap_id)
 
     def snapshot_meta(self, snap_id: str) -> dict:
+        meta = self.snapshot_dir(snap_id) / "meta.json"
         try:
-            return json.loads((self.snapshot_dir(snap_id) / "meta.json").read_text())
+            return json.loads(meta.read_text())
         except (OSError, ValueError):
             raise NotFoundError(f"no snapshot {snap_id!r} on this node (deleted, or made by another node)") from None
 
