@@ -7,7 +7,7 @@ APT_PACKAGES := crun runc runsc bubblewrap mmdebstrap busybox-static erofs-utils
 	skopeo umoci docker-registry
 PYTHON ?= python3
 
-.PHONY: setup demo test bench bench-vm lint clean-state apt venv agent images vm-images
+.PHONY: setup demo test bench bench-vm lint settings-doc clean-state apt venv agent images vm-images
 
 setup: apt venv agent images
 
@@ -56,6 +56,10 @@ bench: setup
 
 bench-vm: setup
 	$(PY) bench/bench_vm.py
+
+# docs/SETTINGS.md from src/shoal/settings.py (tests/test_settings.py fails when it is stale)
+settings-doc: venv
+	PYTHONPATH=src $(PY) -W ignore::RuntimeWarning -m shoal.settings > docs/SETTINGS.md
 
 # Style and layers: ruff, then the import contracts in pyproject.toml ([tool.importlinter]).
 lint: venv

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 import shoal
+from shoal import settings
 from shoal.client.launch import spawn_background
 from shoal.config import Paths, node_tag
 
-IMAGES = Path(os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/store"))
+IMAGES = settings.IMAGES_DIR.get() or Path("/var/lib/shoal/store")
 
 
 def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dict[str, list[str]]:
@@ -157,7 +158,7 @@ class NodeProcess:
 @pytest.fixture(scope="session")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     home = tmp_path_factory.mktemp("shoal-home")
-    extra = {"SHOAL_USERNS": os.environ["SHOAL_TEST_USERNS"]} if os.environ.get("SHOAL_TEST_USERNS") else {}
+    extra = {"SHOAL_USERNS": settings.TEST_USERNS.raw()} if settings.TEST_USERNS.is_set() else {}
     proc = NodeProcess(home, f"shoal-test-{os.getpid()}", **extra).start()  # SHOAL_TEST_USERNS=<base>: all in userns
     yield proc
     proc.stop()

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shoal import settings
+
 
 @dataclass(frozen=True)
 class Paths:
@@ -17,8 +19,8 @@ class Paths:
 
     @classmethod
     def from_env(cls) -> Paths:
-        home = Path(os.environ.get("SHOAL_HOME", "/var/lib/shoal"))
-        images = Path(os.environ.get("SHOAL_IMAGES", str(home / "store")))
+        home = settings.HOME.get()
+        images = settings.IMAGES_DIR.get() or home / "store"
         return cls(home=home, images=images)
 
     @property
@@ -70,20 +72,21 @@ class NodeSettings:
     @classmethod
     def from_env(cls, home: Path | None = None) -> NodeSettings:
         pools: dict[str, int] = {}
-        for item in filter(None, os.environ.get("SHOAL_POOLS", "").split(",")):
+        for item in filter(None, settings.POOLS.get().split(",")):
             key, _, size = item.partition("=")
             pools[key.strip()] = int(size)
+        memory_mb = settings.DEFAULT_MEMORY_MB.get()
         return cls(
-            node_id=os.environ.get("SHOAL_NODE_ID", "local"),
-            output_cap_bytes=int(os.environ.get("SHOAL_OUTPUT_CAP", str(1 << 20))),
+            node_id=settings.NODE_ID.get(),
+            output_cap_bytes=settings.OUTPUT_CAP.get(),
             pool_sizes=pools,
-            max_sandboxes=int(os.environ.get("SHOAL_MAX_SANDBOXES", "20000")),
-            cgroup_parent=os.environ.get("SHOAL_CGROUP_PARENT") or default_cgroup_parent(home),
-            log_retention_s=float(os.environ.get("SHOAL_LOG_RETENTION_S", str(7 * 86400))),
-            build_network=os.environ.get("SHOAL_BUILD_NETWORK", "*"),
-            sandboxes_cpu_weight=float(os.environ.get("SHOAL_SANDBOXES_CPU_WEIGHT", "0")),
-            default_memory_mb=int(os.environ.get("SHOAL_DEFAULT_MEMORY_MB", str(default_memory_mb()))),
-            default_disk_mb=int(os.environ.get("SHOAL_DEFAULT_DISK_MB", "0") or 0),
+            max_sandboxes=settings.MAX_SANDBOXES.get(),
+            cgroup_parent=settings.CGROUP_PARENT.get() or default_cgroup_parent(home),
+            log_retention_s=settings.LOG_RETENTION_S.get(),
+            build_network=settings.BUILD_NETWORK.get(),
+            sandboxes_cpu_weight=settings.SANDBOXES_CPU_WEIGHT.get(),
+            default_memory_mb=default_memory_mb() if memory_mb is None else memory_mb,
+            default_disk_mb=settings.DEFAULT_DISK_MB.get() or 0,
         )
 
 

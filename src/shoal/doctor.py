@@ -8,7 +8,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal import cgroups
+from shoal import cgroups, settings
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def isolation_checks() -> list[Check]:
     from shoal.substrates.container import oci, seccomp
 
     checks = []
-    userns = os.environ.get("SHOAL_USERNS")
+    userns = settings.USERNS.raw()
     kept = ",".join(c.removeprefix("CAP_") for c in oci.CAPABILITIES)
     filters = f"seccomp refuses {len(seccomp.DENIED_SYSCALLS)} syscalls + clone(namespaces), ptrace attach; "
     profile = (

@@ -23,12 +23,13 @@ import asyncio
 import collections
 import errno
 import logging
-import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+
+from shoal import settings
 
 log = logging.getLogger("shoal.netguard")
 
@@ -47,15 +48,13 @@ class Limits:
 
     @classmethod
     def from_env(cls) -> Limits:
-        env = os.environ
-        d = cls()
         return cls(
-            preauth_frame=int(env.get("SHOAL_PREAUTH_FRAME", d.preauth_frame)),
-            auth_timeout_s=float(env.get("SHOAL_AUTH_TIMEOUT_S", d.auth_timeout_s)),
-            idle_timeout_s=float(env.get("SHOAL_CONN_IDLE_TIMEOUT_S", d.idle_timeout_s)),
-            max_per_peer=int(env.get("SHOAL_MAX_CONN_PER_PEER", d.max_per_peer)),
-            max_preauth_per_peer=int(env.get("SHOAL_MAX_PREAUTH_PER_PEER", d.max_preauth_per_peer)),
-            max_preauth=int(env.get("SHOAL_MAX_PREAUTH", d.max_preauth)),
+            preauth_frame=settings.PREAUTH_FRAME.get(),
+            auth_timeout_s=settings.AUTH_TIMEOUT_S.get(),
+            idle_timeout_s=settings.CONN_IDLE_TIMEOUT_S.get(),
+            max_per_peer=settings.MAX_CONN_PER_PEER.get(),
+            max_preauth_per_peer=settings.MAX_PREAUTH_PER_PEER.get(),
+            max_preauth=settings.MAX_PREAUTH.get(),
         )
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shoal import protocol
+from shoal import protocol, settings
 from shoal.client import functions, localfs, tartree
 from shoal.client.image import ImageBuilder
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
@@ -86,11 +86,11 @@ class AsyncClient:
         owner: str | None = None,
     ) -> None:
         # stamped on every sandbox this client creates (`list` shows it; the reaper's logs name it)
-        self.owner = owner or os.environ.get("SHOAL_OWNER") or f"{getpass.getuser()}@{socket.gethostname()}"
+        self.owner = owner or settings.OWNER.get() or f"{getpass.getuser()}@{socket.gethostname()}"
         self.paths = Paths.from_env() if home is None else Paths(Path(home), Paths.from_env().images)
         self.address = address or str(self.paths.socket)
         self.autostart = autostart and address is None and ray_address is None
-        self.token = token or os.environ.get("SHOAL_TOKEN")
+        self.token = token or settings.TOKEN.get()
         self.ray_address = ray_address
         self.project = project
         self._endpoints = _endpoints(address) if address and address.startswith("shoal://") else []

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shoal import settings
 from shoal.errors import AuthenticationError, QuotaExceededError
 
 CLUSTER_ROLE = "@cluster"
@@ -81,7 +82,7 @@ class Tokens:
 
     @classmethod
     def from_env(cls) -> Tokens | None:
-        path = os.environ.get("SHOAL_TOKENS")
+        path = settings.TOKENS.raw()
         return cls.load(path) if path else None
 
     def authenticate(self, token: Any) -> Identity:

@@ -21,6 +21,7 @@ from shoal.errors import AuthenticationError
 from shoal.netguard import ConnectionGuard, Listener, serve_tcp
 from shoal.node.server import NodeServer
 from shoal.protocol import Request
+from shoal.settings import HTTP, PARENT_PID, TCP
 
 log = logging.getLogger("shoal.tcp")
 
@@ -83,7 +84,7 @@ async def serve_network(server: NodeServer, paths: Any, stop: asyncio.Event) -> 
     from shoal.errors import NodeError
 
     closers: list[Callable[[], Awaitable[None]]] = []
-    where = os.environ.get("SHOAL_TCP")
+    where = TCP.get()
     if where:
         tokens = Tokens.from_env()
         if tokens is None:
@@ -94,12 +95,12 @@ async def serve_network(server: NodeServer, paths: Any, stop: asyncio.Event) -> 
             tcp.close()
 
         closers.append(close_tcp)
-    http_where = os.environ.get("SHOAL_HTTP")
+    http_where = HTTP.get()
     if http_where:
         from shoal.cluster.http import serve_node_http
 
         closers.append(await serve_node_http(server, http_where, paths.home))
-    parent = os.environ.get("SHOAL_PARENT_PID")
+    parent = PARENT_PID.get()
     if parent:
 
         async def watch() -> None:

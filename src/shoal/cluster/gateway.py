@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shoal import protocol
+from shoal import protocol, settings
 from shoal.client.transport import Connection
 from shoal.cluster import placement
 from shoal.cluster.admission import AdmissionQueue
@@ -611,24 +611,20 @@ async def serve(gateway: Gateway, where: str, http: str | None, addr_file: str |
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shoal.cluster.gateway", description=__doc__.splitlines()[0])
-    parser.add_argument("--listen", default=os.environ.get("SHOAL_GATEWAY", "0.0.0.0:7470"))
-    parser.add_argument("--http", default=os.environ.get("SHOAL_GATEWAY_HTTP"), help="host:port for /metrics")
-    parser.add_argument("--tokens", default=os.environ.get("SHOAL_TOKENS"), required="SHOAL_TOKENS" not in os.environ)
+    parser.add_argument("--listen", default=settings.GATEWAY.get())
+    parser.add_argument("--http", default=settings.GATEWAY_HTTP.get(), help="host:port for /metrics")
+    parser.add_argument("--tokens", default=settings.TOKENS.raw(), required=not settings.TOKENS.is_set())
     parser.add_argument("--node", action="append", default=[], help="node_id=host:port (repeatable)")
     parser.add_argument("--discover", help="name:port: the nodes are every address this DNS name resolves to")
-    parser.add_argument("--name", default=os.environ.get("SHOAL_GATEWAY_NAME", "gw"))
+    parser.add_argument("--name", default=settings.GATEWAY_NAME.get())
     parser.add_argument("--addr-file", help="write the bound host:port here once serving")
-    parser.add_argument(
-        "--admission-timeout", type=float, default=float(os.environ.get("SHOAL_ADMISSION_TIMEOUT", 600))
-    )
-    parser.add_argument("--max-waiting", type=int, default=int(os.environ.get("SHOAL_MAX_WAITING", 200_000)))
+    parser.add_argument("--admission-timeout", type=float, default=settings.ADMISSION_TIMEOUT.get())
+    parser.add_argument("--max-waiting", type=int, default=settings.MAX_WAITING.get())
     parser.add_argument("--k", type=int, default=2, help="power-of-k-choices sample size")
     parser.add_argument("--discover-interval", type=float, default=5.0)
     parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between polls of each node")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("SHOAL_LOG_LEVEL", "INFO"), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=settings.LOG_LEVEL.get(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     nodes = dict(item.split("=", 1) for item in args.node)
 
     async def run() -> None:
@@ -645,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        parent = os.environ.get("SHOAL_PARENT_PID")
+        parent = settings.PARENT_PID.get()
         if parent:
 
             async def watch() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from shoal import settings
 from shoal.cluster.metrics import CONTENT_TYPE, node_metrics
 from shoal.config import parse_hostport
 from shoal.errors import (
@@ -97,7 +97,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-MAX_BODY = int(os.environ.get("SHOAL_HTTP_MAX_BODY", str(64 << 20)))
+MAX_BODY = settings.HTTP_MAX_BODY.get()
 PUBLIC = {"/healthz", "/metrics", "/openapi.json"}
 
 

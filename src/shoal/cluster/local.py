@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from shoal import settings
 from shoal.cluster.auth import CLUSTER_ROLE, new_token
 from shoal.config import Paths
 from shoal.errors import NodeError
@@ -132,7 +133,7 @@ class LocalCluster:
         self.tokens_file.chmod(0o600)
         env = {"SHOAL_TCP": "127.0.0.1:0", "SHOAL_TOKENS": str(self.tokens_file), "SHOAL_HTTP": "127.0.0.1:0"}
         env["SHOAL_MAX_SANDBOXES"] = str(max_sandboxes)
-        env["SHOAL_IMAGES"] = images or os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/store")
+        env["SHOAL_IMAGES"] = images or settings.IMAGES_DIR.raw() or "/var/lib/shoal/store"
         self.env = env
         self.nodes: list[LocalNode] = []
         self.gateways: list[LocalGateway] = []

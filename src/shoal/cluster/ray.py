@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from shoal.client.ray import CONTROLLER, NAMESPACE, ask_controller, controller, ensure_ray
 from shoal.cluster.auth import CLUSTER_ROLE, new_token
 from shoal.errors import NodeError
+from shoal.settings import IMAGES_DIR
 
 log = logging.getLogger("shoal.ray")
 
@@ -141,7 +142,7 @@ class NodeAgent:
             "SHOAL_HTTP": settings.get("http", "0.0.0.0:0"),
             "SHOAL_TOKENS": str(tokens_file),
             # images are shared by the nodes of a machine (read-only layers), not built once per node
-            "SHOAL_IMAGES": os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/store"),
+            "SHOAL_IMAGES": IMAGES_DIR.raw() or "/var/lib/shoal/store",
             **{k: v for k, v in settings.items() if k.startswith("SHOAL_")},
         }
         self.supervisor = Supervisor(

@@ -3,16 +3,16 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
+from shoal import settings
 from shoal.errors import ImageError
 from shoal.images.store import ImageConfig, ImageStore
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-DEBIAN_SUITE = os.environ.get("SHOAL_DEBIAN_SUITE", "bookworm")
+DEBIAN_SUITE = settings.DEBIAN_SUITE.get()
 DEBIAN_PACKAGES = ["bash", "coreutils", "python3", "ca-certificates", "procps"]
 DEBIAN_DEV_PACKAGES = [*DEBIAN_PACKAGES, "gcc", "g++", "libc6-dev"]
 

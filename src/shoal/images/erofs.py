@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal import linux
+from shoal import linux, settings
 from shoal.errors import ImageError
 
 _SUPPORTED: bool | None = None
@@ -26,7 +26,7 @@ _SUPPORTED: bool | None = None
 def supported() -> bool:
     """EROFS in the kernel and mkfs.erofs on the PATH (SHOAL_EROFS=0 forces plain directories)."""
     global _SUPPORTED
-    if os.environ.get("SHOAL_EROFS", "1") == "0":
+    if not settings.EROFS.get():
         return False
     if _SUPPORTED is None:
         try:

@@ -14,7 +14,6 @@ import fcntl
 import hashlib
 import http.client
 import json
-import os
 import re
 import time
 import urllib.error
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from shoal import settings
 from shoal.errors import ImageError, ImageNotFoundError
 from shoal.images import layout
 from shoal.images.store import LAYER_GZIP, ImageConfig, ImageStore
@@ -70,11 +70,11 @@ class RegistryClient:
 
     def __init__(self, ref: Reference, auth: str | None = None, *, push: bool = False, timeout: float = 30.0) -> None:
         self.ref = ref
-        insecure = {h.strip() for h in os.environ.get("SHOAL_INSECURE_REGISTRIES", "").split(",") if h.strip()}
+        insecure = {h.strip() for h in settings.INSECURE_REGISTRIES.get().split(",") if h.strip()}
         hostname = ref.host.rpartition(":")[0] if ":" in ref.host else ref.host
         plain = hostname in ("localhost", "127.0.0.1", "::1", "[::1]") or ref.host in insecure
         self.base = f"{'http' if plain else 'https'}://{ref.host}"
-        self.auth = auth or os.environ.get("SHOAL_REGISTRY_AUTH")
+        self.auth = auth or settings.REGISTRY_AUTH.get()
         self.scope = f"repository:{ref.repository}:{'pull,push' if push else 'pull'}"
         self.timeout = timeout
         self._authorization: str | None = None

@@ -14,6 +14,7 @@ from typing import Any
 from shoal import cgroups, linux
 from shoal.config import NodeSettings, Paths
 from shoal.errors import NodeError
+from shoal.settings import LOG_LEVEL, READY_FD
 
 log = logging.getLogger("shoal.node")
 
@@ -132,12 +133,13 @@ def main(argv: list[str] | None = None, network: NetworkFront | None = None) -> 
     settings = NodeSettings.from_env(paths.home)
     paths.home.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(
-        level=os.environ.get("SHOAL_LOG_LEVEL", "INFO"),
+        level=LOG_LEVEL.get(),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     lock_fd = acquire_lock(paths)
     host_ns = prepare_mount_namespace(paths)  # before any thread exists: unshare requires it
-    ready_fd = int(os.environ.pop("SHOAL_READY_FD")) if "SHOAL_READY_FD" in os.environ else None
+    ready_fd = READY_FD.get()
+    os.environ.pop(READY_FD.name, None)  # not inherited by what the node starts
     try:
         if not asyncio.run(serve(paths, settings, ready_fd, network)):  # kept sandboxes still use the shared mount
             release_mount_namespace(paths, host_ns)

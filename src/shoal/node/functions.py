@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+from shoal import settings
 from shoal.errors import InvalidRequestError, SandboxLostError, SandboxNotFoundError
 from shoal.protocol import ExecRequest, ExecResult, FileEntry, OutputChunk, SandboxInfo, SandboxSpec
 from shoal.substrates.function import limits as call_limits
@@ -48,12 +49,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("shoal.functions")
 
 WORKDIR = "/work"
-DEFAULT_MEMORY_MB = int(os.environ.get("SHOAL_FN_MEMORY_MB", "1024"))
-MAX_WORKERS = int(os.environ.get("SHOAL_FN_MAX_WORKERS", str(max(4, 4 * (os.cpu_count() or 1)))))
+DEFAULT_MEMORY_MB = settings.FN_MEMORY_MB.get()
+MAX_WORKERS = settings.FN_MAX_WORKERS.get() or max(4, 4 * (os.cpu_count() or 1))
 # Few on purpose: a fork copies the worker's page tables, so every MB imported costs every call (measured
 # here: ~0.15 ms per MB of anonymous memory). Calls import anything else themselves.
 PREIMPORT = ("json", "math", "re", "collections", "itertools", "functools", "typing", "string", "heapq")
-PREIMPORT += tuple(filter(None, os.environ.get("SHOAL_FN_PREIMPORT", "").split(",")))
+PREIMPORT += tuple(filter(None, settings.FN_PREIMPORT.get().split(",")))
 PICKLED = (*PREIMPORT, "cloudpickle")  # workers for cloudpickled functions also hold cloudpickle
 MAX_STAGED_BYTES = 64 << 20
 SETUP_GRACE_S = 30.0

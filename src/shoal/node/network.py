@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shoal import spawn
+from shoal import settings, spawn
 from shoal.config import node_tag
 from shoal.errors import InvalidRequestError, ShoalError
 
@@ -130,14 +130,14 @@ class NetworkConfig:
     @classmethod
     def load(cls, home: Path) -> NetworkConfig:
         data: dict[str, Any] = {}
-        path = os.environ.get("SHOAL_NETWORK_CONFIG")
+        path = settings.NETWORK_CONFIG.get()
         if path:
             try:
                 data = json.loads(Path(path).read_text())
             except (OSError, ValueError) as exc:
                 raise InvalidRequestError(f"SHOAL_NETWORK_CONFIG={path}: cannot read it as JSON ({exc})") from exc
         prefix = node_tag(home)
-        pool = data.get("pool") or os.environ.get("SHOAL_NET_POOL") or default_pool(prefix)
+        pool = data.get("pool") or settings.NET_POOL.get() or default_pool(prefix)
         hosts = {k: [v] if isinstance(v, str) else list(v) for k, v in data.get("hosts", {}).items()}
         return cls(
             presets={**DEFAULT_PRESETS, **data.get("presets", {})},

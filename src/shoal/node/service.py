@@ -56,6 +56,7 @@ from shoal.protocol import (
     combine_status,
     merge_image_lists,
 )
+from shoal.settings import QEMU
 from shoal.substrates import Substrate
 from shoal.substrates.container import ContainerSubstrate
 from shoal.substrates.qemu.substrate import QemuSubstrate
@@ -79,7 +80,7 @@ class NodeService:
         self.substrates: dict[str, Substrate] = {
             "container": ContainerSubstrate(paths.sandboxes, paths.runtime_root, settings.cgroup_parent),
         }
-        if shutil.which(os.environ.get("SHOAL_QEMU", "qemu-system-x86_64")) and shutil.which("qemu-img"):
+        if shutil.which(QEMU.get()) and shutil.which("qemu-img"):
             from shoal.substrates.microvm import MicrovmSubstrate
             from shoal.substrates.vm import VmSubstrate
 

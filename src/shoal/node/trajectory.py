@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from shoal import settings
 from shoal.steps import (
     BULK_ARGS,
     BULK_BYTES,
@@ -112,7 +113,7 @@ class TrajectoryLog:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         if reserve_bytes is None:
-            reserve_bytes = int(float(os.environ.get("SHOAL_LOG_RESERVE_MB", "64")) * (1 << 20))
+            reserve_bytes = int(settings.LOG_RESERVE_MB.get() * (1 << 20))
         self.reserve = path.with_name(path.name + ".reserve")
         self.reserve_bytes = reserve_bytes
         self.reserve_released = 0  # times the reserve was given up for a commit

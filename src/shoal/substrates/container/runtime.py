@@ -8,7 +8,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal import spawn
+from shoal import settings, spawn
 from shoal.errors import InvalidRequestError, SandboxLostError
 
 RUNTIMES = ("crun", "runc", "runsc")
@@ -39,7 +39,7 @@ class OciRuntime:
 
     def _base(self) -> list[str]:
         if self.name == "runsc":  # ptrace: gVisor's KVM platform needs real VMX/SVM (doctor says which)
-            platform = os.environ.get("SHOAL_RUNSC_PLATFORM", "ptrace")
+            platform = settings.RUNSC_PLATFORM.get()
             return [self.binary, "--root", str(self.state_root), "--platform", platform, "--network", "none",
                     "--host-uds", "create"]  # fmt: skip
         return [self.binary, "--root", str(self.state_root)]

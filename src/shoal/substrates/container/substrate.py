@@ -18,7 +18,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from shoal import cgroups, linux
+from shoal import cgroups, linux, settings
 from shoal.config import node_tag
 from shoal.errors import SandboxLostError
 from shoal.guest import agent_binary_path
@@ -39,10 +39,8 @@ class ContainerSubstrate(Substrate):
         self.cgroup_parent = cgroup_parent
         self.agent_binary = str(agent_binary_path())
         self._runtimes: dict[str, OciRuntime] = {}
-        base = os.environ.get("SHOAL_USERNS", "")
-        self.userns_base: int | None = int(base) if base else None
-        default_disk = os.environ.get("SHOAL_DEFAULT_DISK_MB", "")  # a cap for sandboxes that name none
-        self.default_disk_mb: int | None = int(default_disk) if default_disk else None
+        self.userns_base: int | None = settings.USERNS.get()
+        self.default_disk_mb: int | None = settings.DEFAULT_DISK_MB.get()  # a cap for sandboxes that name none
 
     def runtime(self, name: str) -> OciRuntime:
         if name not in self._runtimes:

@@ -11,7 +11,6 @@ import asyncio
 import base64
 import json
 import logging
-import os
 import socket
 import struct
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal import settings
 from shoal.errors import ImageError, SandboxLostError
 from shoal.substrates.function import limits as call_limits
 from shoal.substrates.function.limits import CallLimits
@@ -30,7 +30,7 @@ log = logging.getLogger("shoal.functions")
 WORKER_DIR = "/run/shoal-fn"
 SOCKET = f"{WORKER_DIR}/worker.sock"
 CALL_UID = CALL_GID = 65534  # "nobody": calls hold no capabilities and own nothing outside their scratch dirs
-IDLE_S = float(os.environ.get("SHOAL_FN_IDLE_S", "60"))
+IDLE_S = settings.FN_IDLE_S.get()
 GROW_AFTER_S = 0.05
 INPUT_BYTES_PER_S = 20 << 20  # the worker writes a call's inputs before its first step starts: allow for it
 RECYCLE_AFTER = 10_000  # calls; a fresh worker now and then bounds whatever slowly accumulates

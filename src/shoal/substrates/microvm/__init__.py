@@ -1,7 +1,6 @@
 """`microvm`: a small QEMU guest (Debian kernel, initramfs) whose PID 1 is the shoal agent."""
 
-import os
-
+from shoal import settings
 from shoal.substrates.qemu.substrate import QemuSubstrate
 
 
@@ -15,7 +14,7 @@ class MicrovmSubstrate(QemuSubstrate):
         """QEMU's `microvm` machine (virtio-mmio, no PCI/ACPI) under KVM. Under TCG it has no clock to
         calibrate the TSC against and boots ≈2x slower than q35 (measured: 13.8 s vs 6.6 s), so q35 there."""
         default = "microvm" if accel == "kvm" else "q35"
-        return os.environ.get("SHOAL_MICROVM_MACHINE", default)
+        return settings.MICROVM_MACHINE.get() or default
 
 
 __all__ = ["MicrovmSubstrate"]

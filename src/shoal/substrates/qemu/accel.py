@@ -16,11 +16,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal import settings
 from shoal.substrates.qemu.kernel import cache_dir, ensure_boot_files
 from shoal.substrates.qemu.machine import QEMU
 
 log = logging.getLogger("shoal.vm")
-PROBE_TIMEOUT_S = float(os.environ.get("SHOAL_KVM_PROBE_TIMEOUT", "20"))
+PROBE_TIMEOUT_S = settings.KVM_PROBE_TIMEOUT.get()
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def _boot_id() -> str:
 
 def detect(cache: Path | None = None, refresh: bool = False) -> Accel:
     """KVM when a probe guest boots under it within PROBE_TIMEOUT_S, otherwise TCG, with the reason."""
-    forced = os.environ.get("SHOAL_VM_ACCEL")
+    forced = settings.VM_ACCEL.get()
     if forced in ("kvm", "tcg"):
         return Accel(forced, f"forced by SHOAL_VM_ACCEL={forced}")
     cache = cache or cache_dir()

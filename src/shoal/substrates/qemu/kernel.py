@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal import settings
 from shoal.errors import ImageError
 from shoal.guest import agent_binary_path
 
@@ -65,7 +66,7 @@ class BootFiles:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SHOAL_VM_CACHE", "/var/lib/shoal/vm"))
+    return settings.VM_CACHE.get()
 
 
 @contextmanager

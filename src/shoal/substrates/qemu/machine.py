@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal import settings
 from shoal.errors import SandboxLostError
 
-QEMU = os.environ.get("SHOAL_QEMU", "qemu-system-x86_64")
+QEMU = settings.QEMU.get()
 
 
 class QmpError(SandboxLostError):

@@ -31,6 +31,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from shoal import settings
 from shoal.errors import ImageError, InvalidRequestError, NotFoundError, SandboxLostError
 from shoal.guest import AgentClient
 from shoal.images import Image
@@ -76,9 +77,9 @@ class QemuSubstrate(Substrate):
         self.cache = cache or cache_dir()
         self.templates_dir = home / "vm-templates"
         self.snapshots_dir = home / "vm-snapshots"
-        self.use_templates = os.environ.get("SHOAL_VM_TEMPLATES", "1") != "0"
-        self.shared_memory = os.environ.get("SHOAL_VM_SHARED_MEMORY", "1") != "0"
-        self.boot_timeout_s = float(os.environ.get("SHOAL_VM_BOOT_TIMEOUT", "120"))
+        self.use_templates = settings.VM_TEMPLATES.get()
+        self.shared_memory = settings.VM_SHARED_MEMORY.get()
+        self.boot_timeout_s = settings.VM_BOOT_TIMEOUT.get()
         self._accel: accel_mod.Accel | None = None
         self._running: dict[str, Running] = {}
         self._template_locks: dict[str, asyncio.Lock] = {}
@@ -117,7 +118,7 @@ class QemuSubstrate(Substrate):
 
     def machine_for(self, accel: str) -> str:
         """The QEMU machine type; SHOAL_<KIND>_MACHINE=q35|microvm overrides."""
-        return os.environ.get(f"SHOAL_{self.kind.upper()}_MACHINE", self.machine_type)
+        return settings.get(f"SHOAL_{self.kind.upper()}_MACHINE") or self.machine_type
 
     # ------------------------------------------------------------ create / destroy
 
