@@ -137,7 +137,8 @@ LOG_RESERVE_MB: Setting[float] = _declare(
 )  # fmt: skip
 DEFAULT_MEMORY_MB: Setting[int] = _declare(
     "SHOAL_DEFAULT_MEMORY_MB", int, None, NODE,
-    "Memory cap (MB) of containers that name no `memory_mb`; 0: no cap.", fallback="4096, or half the host's memory if less",
+    "Memory cap (MB) of containers that name no `memory_mb`; 0: no cap.",
+    fallback="4096, or half the host's memory if less",
 )  # fmt: skip
 LOG_LEVEL: Setting[str] = _declare("SHOAL_LOG_LEVEL", str, "INFO", NODE, "Log level of nodes and gateways.")
 
