@@ -125,6 +125,17 @@ def test_background_list_connect_kill(sbx: Sandbox) -> None:
     assert sbx.commands.kill(handle.pid) is False  # gone
 
 
+def test_stdin(sbx: Sandbox) -> None:
+    handle = sbx.commands.run("while read -r line; do echo got:$line; done; echo eof", background=True, stdin=True)
+    sbx.commands.send_stdin(handle.pid, "one\n")
+    handle.send_stdin("two\nthree\n")
+    sbx.commands.close_stdin(handle.pid)
+    result = handle.wait()
+    assert result.stdout == "got:one\ngot:two\ngot:three\neof\n"
+    with pytest.raises(SandboxException):  # a command started without stdin=True has none to write to
+        sbx.commands.send_stdin(sbx.commands.run("sleep 30", background=True).pid, "x")
+
+
 def test_files(sbx: Sandbox) -> None:
     info = sbx.files.write("/work/dir/a.txt", "hello")
     assert info.path == "/work/dir/a.txt" and info.name == "a.txt"
@@ -230,9 +241,14 @@ def test_async_sandbox(e2b_env: dict[str, str]) -> None:
             assert await sbx.commands.kill(handle.pid)
             with pytest.raises(CommandExitException):
                 await handle.wait()
+            typed = await sbx.commands.run("head -c 5", background=True, stdin=True)
+            await sbx.commands.send_stdin(typed.pid, b"bytes and more")
+            assert (await typed.wait()).stdout == "bytes"
             await sbx.files.write("/work/a.bin", b"\x00\x01bytes")
             assert bytes(await sbx.files.read("/work/a.bin", format="bytes")) == b"\x00\x01bytes"
             assert [e.name for e in await sbx.files.list("/work")] == ["a.bin"]
+            await sbx.files.write("rel.txt", "relative")  # relative to the working directory, listed absolute
+            assert "/rel.txt" in [e.path for e in await sbx.files.list(".")]
             await sbx.files.make_dir("/work/d")
             events: list = []
             watch = await sbx.files.watch_dir("/work/d", on_event=events.append)

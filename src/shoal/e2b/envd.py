@@ -46,6 +46,28 @@ from shoal.errors import (
 KEEPALIVE_S = 30.0
 WATCH_POLL_S = 0.2
 TIMED_OUT = "command timed out"
+
+# stdin=True: shoal's exec takes stdin up front, so the command reads a FIFO in the sandbox instead. A keeper
+# process holds a write end of the FIFO (inherited at fork, so it is held before anyone writes) until
+# close_stdin kills it; then the command reads EOF. Each send_stdin is one short exec writing to the FIFO.
+STDIN_WRAPPER = r"""
+f=$1; shift
+mkdir -p "${f%/*}" && rm -f "$f" && mkfifo "$f" || exit 127
+exec 3<>"$f"
+sleep infinity >&3 2>/dev/null 3>&- &
+echo $! > "$f.keeper"
+exec 3>&-
+"$@" < "$f"
+status=$?
+kill "$(cat "$f.keeper")" 2>/dev/null
+rm -f "$f" "$f.keeper"
+exit $status
+"""
+WAIT_FIFO = (
+    'i=0; while [ ! -p "$1" ] || [ ! -s "$1.keeper" ]; do i=$((i+1)); [ $i -gt 1000 ] && exit 3; sleep 0.01; done; '
+)
+STDIN_WRITE = WAIT_FIFO + 'cat > "$1"'
+STDIN_CLOSE = WAIT_FIFO + 'kill "$(cat "$1.keeper")"'
 _pids = itertools.count(1000)
 
 
@@ -86,6 +108,15 @@ def username(headers: Any) -> str | None:
     return None if name in ("", "user") else name
 
 
+def _stdin_bytes(value: process_pb.ProcessInput | None) -> bytes:
+    match value.input if value is not None else None:
+        case Oneof(field="stdin", value=data):
+            return data
+        case Oneof(field="pty", value=_):
+            raise ConnectError(Code.UNIMPLEMENTED, "PTY sessions are not supported by shoal's E2B layer")
+    return b""
+
+
 def _event(kind: str, value: Any) -> process_pb.ProcessEvent:
     return process_pb.ProcessEvent(event=Oneof(kind, value))
 
@@ -108,6 +139,8 @@ class Proc:
     subscribers: set[asyncio.Queue] = field(default_factory=set)
     task: asyncio.Task | None = None
     ended: process_pb.ProcessEvent | None = None
+    fifo: str | None = None  # the stdin FIFO in the sandbox when started with stdin=True
+    sandbox: AsyncSandbox | None = None
 
     def publish(self, event: process_pb.ProcessEvent) -> None:
         for queue in self.subscribers:
@@ -143,17 +176,27 @@ class Processes:
         raise ConnectError(Code.INVALID_ARGUMENT, "no process selector")
 
     def start(
-        self, sandbox: AsyncSandbox, config: process_pb.ProcessConfig, tag: str | None, user: str | None, timeout: Any
+        self,
+        sandbox: AsyncSandbox,
+        config: process_pb.ProcessConfig,
+        tag: str | None,
+        user: str | None,
+        timeout: Any,
+        stdin: bool = False,
     ) -> tuple[Proc, asyncio.Queue]:
-        proc = Proc(next(_pids), sandbox.id, config, tag)
+        proc = Proc(next(_pids), sandbox.id, config, tag, sandbox=sandbox)
         queue: asyncio.Queue = asyncio.Queue()
         proc.subscribers.add(queue)
         self.procs[proc.pid] = proc
+        argv = [config.cmd, *config.args]
+        if stdin:
+            proc.fifo = f"/tmp/.shoal-e2b/stdin-{os.urandom(8).hex()}"
+            argv = ["/bin/bash", "-c", STDIN_WRAPPER, "shoal-e2b-stdin", proc.fifo, *argv]
 
         async def run() -> None:
             try:
                 result = await sandbox.exec(
-                    [config.cmd, *config.args],
+                    argv,
                     timeout=timeout,
                     env=dict(config.envs) or None,
                     cwd=config.cwd if config.has_field("cwd") and config.cwd else None,
@@ -176,6 +219,21 @@ class Processes:
 
         proc.task = asyncio.ensure_future(run())
         return proc, queue
+
+    async def write_stdin(self, proc: Proc, data: bytes, *, close: bool = False) -> None:
+        if proc.fifo is None or proc.sandbox is None:
+            raise ConnectError(Code.FAILED_PRECONDITION, f"process {proc.pid} was not started with stdin=True")
+        script = STDIN_CLOSE if close else STDIN_WRITE
+        try:
+            # stdin=b"" is not sent: an empty stdin to a command that exits at once can be reported by the node
+            # as "the command's handler was killed" (seen ~1 in 3 times)
+            argv = ["/bin/sh", "-c", script, "sh", proc.fifo]
+            result = await proc.sandbox.exec(argv, stdin=data or None, timeout=60)
+        except ShoalError as exc:
+            raise connect_error(exc) from None
+        if result.exit_code != 0:
+            detail = result.stderr.strip()[-300:] or f"exit {result.exit_code}"
+            raise ConnectError(Code.FAILED_PRECONDITION, f"stdin of process {proc.pid} is closed ({detail})")
 
     async def kill(self, proc: Proc) -> None:
         if proc.task is not None and not proc.task.done():
@@ -236,13 +294,12 @@ class ProcessService:
         sandbox = await self._sandbox(ctx)
         if request.pty is not None:
             raise ConnectError(Code.UNIMPLEMENTED, "PTY sessions are not supported by shoal's E2B layer (docs/E2B.md)")
-        if request.stdin:
-            raise ConnectError(Code.UNIMPLEMENTED, "stdin streaming is not supported by shoal's E2B layer")
         config = request.process or process_pb.ProcessConfig()
         timeout_ms = ctx.timeout_ms
         timeout = timeout_ms / 1000 if timeout_ms else None
         tag = request.tag if request.has_field("tag") else None
-        proc, queue = self.processes.start(sandbox, config, tag, username(ctx.request_headers), timeout)
+        user = username(ctx.request_headers)
+        proc, queue = self.processes.start(sandbox, config, tag, user, timeout, stdin=bool(request.stdin))
         yield process_pb.StartResponse(event=_event("start", process_pb.ProcessEvent.StartEvent(pid=proc.pid)))
         async for item in _stream(proc, queue, process_pb.StartResponse):
             yield item
@@ -260,13 +317,30 @@ class ProcessService:
         raise ConnectError(Code.UNIMPLEMENTED, "PTY resize is not supported by shoal's E2B layer")
 
     async def stream_input(self, request: Any, ctx: Any) -> process_pb.StreamInputResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "stdin streaming is not supported by shoal's E2B layer")
+        """Client-streamed input: a start event naming the process, then data events, in order."""
+        sandbox = await self._sandbox(ctx)
+        proc: Proc | None = None
+        async for message in request:
+            match message.event:
+                case Oneof(field="start", value=start):
+                    proc = self.processes.find(sandbox.id, start.process)
+                case Oneof(field="data", value=data):
+                    if proc is None:
+                        raise ConnectError(Code.INVALID_ARGUMENT, "input before the start event")
+                    await self.processes.write_stdin(proc, _stdin_bytes(data.input))
+        return process_pb.StreamInputResponse()
 
     async def send_input(self, request: process_pb.SendInputRequest, ctx: Any) -> process_pb.SendInputResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "stdin streaming is not supported by shoal's E2B layer")
+        sandbox = await self._sandbox(ctx)
+        proc = self.processes.find(sandbox.id, request.process)
+        await self.processes.write_stdin(proc, _stdin_bytes(request.input))
+        return process_pb.SendInputResponse()
 
     async def close_stdin(self, request: process_pb.CloseStdinRequest, ctx: Any) -> process_pb.CloseStdinResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "stdin streaming is not supported by shoal's E2B layer")
+        sandbox = await self._sandbox(ctx)
+        proc = self.processes.find(sandbox.id, request.process)
+        await self.processes.write_stdin(proc, b"", close=True)
+        return process_pb.CloseStdinResponse()
 
     async def send_signal(self, request: process_pb.SendSignalRequest, ctx: Any) -> process_pb.SendSignalResponse:
         sandbox = await self._sandbox(ctx)
@@ -297,6 +371,11 @@ def entry_info(path: str, entry: Any) -> filesystem_pb.EntryInfo:
     )
 
 
+def _absolute(sandbox: AsyncSandbox, path: str) -> str:
+    """E2B reports absolute paths; a relative one is relative to the sandbox's working directory."""
+    return posixpath.normpath(posixpath.join(sandbox.info.workdir or "/", path))
+
+
 class FilesystemService:
     """`filesystem.Filesystem` (see the module docstring)."""
 
@@ -318,7 +397,7 @@ class FilesystemService:
             raise connect_error(exc) from None
         if entry is None:
             raise ConnectError(Code.NOT_FOUND, f"no such file or directory: {path}")
-        return entry_info(path, entry)
+        return entry_info(_absolute(sandbox, path), entry)
 
     async def stat(self, request: filesystem_pb.StatRequest, ctx: Any) -> filesystem_pb.StatResponse:
         return filesystem_pb.StatResponse(entry=await self._stat(await self._sandbox(ctx), request.path))
@@ -355,8 +434,9 @@ class FilesystemService:
             entries = await sandbox.files.list(root, recursive=depth > 1)
         except ShoalError as exc:
             raise connect_error(exc) from None
+        base = _absolute(sandbox, root)
         out = [
-            entry_info(posixpath.join(root, e.name), e) for e in entries if e.name.count("/") < depth and e.name != "."
+            entry_info(posixpath.join(base, e.name), e) for e in entries if e.name.count("/") < depth and e.name != "."
         ]
         return filesystem_pb.ListDirResponse(entries=out)
 
