@@ -7,7 +7,7 @@ APT_PACKAGES := crun runc runsc bubblewrap mmdebstrap busybox-static erofs-utils
 	skopeo umoci docker-registry
 PYTHON ?= python3
 
-.PHONY: setup demo test bench bench-vm lint settings-doc clean-state apt venv agent images vm-images
+.PHONY: setup demo test test-fast bench bench-vm lint settings-doc clean-state apt venv agent images vm-images
 
 setup: apt venv agent images
 
@@ -44,6 +44,11 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/pytest -q
+
+# The fast tier: no root, no node, no images (pytest marker `fast`): op table, OCI bundle, QEMU command line,
+# network rules, validation, settings, layers. Under 30 s.
+test-fast: venv
+	$(VENV)/bin/pytest -q -m fast -p no:cacheprovider
 
 bench: setup
 	$(PY) bench/bench_container.py

@@ -10,6 +10,8 @@ import shoal
 from shoal.cluster.admission import AdmissionQueue
 from shoal.cluster.placement import NodeView, choose
 
+pytestmark = pytest.mark.fast  # no root, no node: the queue, placement and a gateway object on their own
+
 
 class Slots:
     def __init__(self, free: int) -> None:

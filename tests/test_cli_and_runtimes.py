@@ -81,6 +81,7 @@ def test_node_stop_closes_or_keeps_sandboxes_and_other_settings_warn(
         node.stop()
 
 
+@pytest.mark.fast
 def test_blocking_api_is_documented_and_typed() -> None:
     """help() on the blocking API says what each call does, and type checkers see the package's hints."""
     import importlib.resources

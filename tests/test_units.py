@@ -1,0 +1,207 @@
+"""The pure parts, without root or a node: OCI bundle generation, the QEMU command line, network rules and
+their nftables rendering, and validation of user input. `make test-fast` runs these (marker `fast`)."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shoal.errors import InvalidRequestError
+from shoal.node import network
+from shoal.protocol import SandboxSpec
+from shoal.substrates.container import oci
+from shoal.substrates.container.seccomp import DENIED_SYSCALLS, seccomp_profile
+from shoal.substrates.qemu.machine import Machine, MachineConfig
+
+pytestmark = pytest.mark.fast
+
+
+# ---------------------------------------------------------------- OCI bundle
+
+
+def _bundle(**kw: object) -> dict:
+    args = dict(hostname="sb", agent_binary="/opt/agent", cgroup_path="/shoal/sb", cpu=None, memory_mb=None, pids=64)
+    return oci.bundle_config(**{**args, **kw})  # type: ignore[arg-type]
+
+
+def test_bundle_runs_the_agent_as_pid1_on_fd3_with_limits() -> None:
+    config = _bundle(cpu=1.5, memory_mb=256)
+    assert config["process"]["args"] == [oci.AGENT_PATH, "--fd", "3"]
+    resources = config["linux"]["resources"]
+    assert resources["memory"] == {"limit": 256 << 20, "swap": 256 << 20}  # no swap beyond the limit
+    assert resources["pids"] == {"limit": 64}
+    assert resources["cpu"] == {"shares": 1536, "quota": 150_000, "period": oci.CPU_PERIOD_US}
+    assert resources["devices"] == [{"allow": False, "access": "rwm"}]
+    agent = next(m for m in config["mounts"] if m["destination"] == oci.AGENT_PATH)
+    assert agent["source"] == "/opt/agent" and "ro" in agent["options"]
+    assert config["process"]["noNewPrivileges"] is True
+    assert config["linux"]["cgroupsPath"] == "/shoal/sb"
+
+
+def test_bundle_without_limits_has_no_caps_but_a_default_weight() -> None:
+    resources = _bundle(pids=None)["linux"]["resources"]
+    assert "memory" not in resources and "pids" not in resources
+    assert resources["cpu"] == {"shares": 1024}
+
+
+def test_bundle_namespaces_and_user_namespace() -> None:
+    plain = _bundle()["linux"]
+    assert {n["type"] for n in plain["namespaces"]} == {"pid", "network", "ipc", "uts", "mount", "cgroup"}
+    assert "uidMappings" not in plain
+    shifted = _bundle(userns_base=100000)["linux"]
+    assert {"type": "user"} in shifted["namespaces"]
+    assert shifted["uidMappings"][0]["containerID"] == 0 and shifted["uidMappings"][0]["hostID"] == 100000
+
+
+def test_bundle_for_runtimes_that_cannot_pass_a_socket() -> None:
+    config = _bundle(agent_dir="/run/x", resolv_conf="/etc/shoal-resolv")
+    assert config["process"]["args"] == [oci.AGENT_PATH, "--listen", f"{oci.AGENT_RUN_DIR}/agent.sock"]
+    destinations = {m["destination"]: m for m in config["mounts"]}
+    assert destinations[oci.AGENT_RUN_DIR]["source"] == "/run/x"
+    assert destinations["/etc/resolv.conf"]["options"] == ["bind", "ro"]
+
+
+def test_cpu_shares_are_bounded() -> None:
+    assert oci.cpu_shares(None) == 1024 and oci.cpu_shares(0.0001) == 2 and oci.cpu_shares(10_000) == 262144
+
+
+def test_seccomp_refuses_dangerous_calls_and_namespace_clones() -> None:
+    profile = seccomp_profile()
+    assert profile["defaultAction"] == "SCMP_ACT_ALLOW"
+    denied = {name for rule in profile["syscalls"] if "args" not in rule for name in rule["names"]}
+    assert {"keyctl", "bpf", "kexec_load"} <= denied and set(DENIED_SYSCALLS) <= denied | {"clone3"}
+    clone_rules = [r for r in profile["syscalls"] if r["names"] == ["clone"]]
+    assert clone_rules and all(r["args"][0]["op"] == "SCMP_CMP_MASKED_EQ" for r in clone_rules)
+    clone3 = next(r for r in profile["syscalls"] if r["names"] == ["clone3"])
+    assert clone3["action"] == "SCMP_ACT_ERRNO"  # ENOSYS: libc falls back to clone, which the rules see
+
+
+# ---------------------------------------------------------------- QEMU command line
+
+
+def _machine(tmp_path: Path, **kw: object) -> Machine:
+    config = dict(machine="q35", accel="tcg", cpus=2, memory_mb=256, kernel="/k", initramfs="/i", cmdline="quiet")
+    return Machine(tmp_path, MachineConfig(**{**config, **kw}), tmp_path / "disk.qcow2")  # type: ignore[arg-type]
+
+
+def _option(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_qemu_argv_q35_under_tcg(tmp_path: Path) -> None:
+    argv = _machine(tmp_path).argv()
+    assert _option(argv, "-machine") == ["q35"] and _option(argv, "-accel") == ["tcg"]
+    assert _option(argv, "-cpu") == ["max"] and _option(argv, "-smp") == ["2"] and _option(argv, "-m") == ["256"]
+    devices = _option(argv, "-device")
+    assert "virtio-blk-pci,drive=disk0,id=blk0" in devices and "virtio-serial-pci,id=vser0" in devices
+    assert any("name=shoal.agent" in d for d in devices)  # the agent's virtio-serial port
+    assert f"unix:{tmp_path / 'qmp.sock'},server=on,wait=off" in _option(argv, "-qmp")
+    assert "-incoming" not in argv and "-nodefaults" in argv and "-no-reboot" in argv
+    assert f"file={tmp_path / 'disk.qcow2'},if=none,id=disk0,format=qcow2,cache=unsafe,discard=unmap" in argv
+
+
+def test_qemu_argv_microvm_under_kvm_restoring_shared_memory(tmp_path: Path) -> None:
+    machine = _machine(tmp_path, machine="microvm", accel="kvm", memory_file="/t/memory", memory_shared=True)
+    argv = machine.argv(incoming=tmp_path / "state")
+    assert _option(argv, "-machine")[0].startswith("microvm,") and "memory-backend=mem" in _option(argv, "-machine")[0]
+    assert _option(argv, "-cpu") == ["host"]
+    assert "virtio-blk-device,drive=disk0,id=blk0" in _option(argv, "-device")  # no PCI on microvm
+    assert "memory-backend-file,id=mem,size=256M,mem-path=/t/memory,share=on" in _option(argv, "-object")
+    assert _option(argv, "-incoming") == ["defer"]  # migrate-incoming follows over QMP
+
+
+def test_qemu_copies_map_template_memory_privately(tmp_path: Path) -> None:
+    argv = _machine(tmp_path, memory_file="/t/memory", memory_shared=False).argv()
+    assert any(o.endswith("share=off") for o in _option(argv, "-object"))
+
+
+def test_machine_config_round_trips_through_json(tmp_path: Path) -> None:
+    config = _machine(tmp_path, extra_args=["-S"]).config
+    assert MachineConfig.from_json(msgspec.json.decode(msgspec.json.encode(config.to_json()))) == config
+
+
+# ---------------------------------------------------------------- network rules
+
+
+def test_rules_render_to_nftables() -> None:
+    net = ipaddress.IPv4Network("1.2.3.4/32")
+    assert network.Rule(net).nft() == "ip daddr 1.2.3.4/32 accept"
+    assert network.Rule(net, "tcp", 443).nft() == "ip daddr 1.2.3.4/32 tcp dport 443 accept"
+    assert network.Rule(net, None, 53).nft() == "ip daddr 1.2.3.4/32 meta l4proto { tcp, udp } th dport 53 accept"
+    assert network.Rule(net, "udp").nft() == "ip daddr 1.2.3.4/32 meta l4proto udp accept"
+
+
+def test_chain_allows_named_private_ranges_before_the_block_and_public_after() -> None:
+    private = network.Rule(ipaddress.IPv4Network("10.1.0.0/16"), "tcp", 80)
+    public = network.Rule(ipaddress.IPv4Network("0.0.0.0/0"))
+    body = network.Policy(rules=[public, private]).chain_body()
+    blocked = next(i for i, line in enumerate(body) if line.startswith("ip daddr {") and "tcp reset" in line)
+    assert body.index(private.nft()) < blocked < body.index(public.nft())
+    assert body[-1] == "drop" and network.Policy().none and network.Policy(rules=[public]).any_host
+
+
+async def test_resolve_presets_addresses_and_configured_hosts() -> None:
+    config = network.NetworkConfig(
+        presets={"mirror": ["tcp://mirror.internal:443"]},
+        hosts={"mirror.internal": ["10.9.8.7"]},
+        pool=ipaddress.IPv4Network("10.200.0.0/18"),
+        prefix="sh00",
+    )
+    policy = await network.resolve(["mirror", "udp://8.8.8.8:53", "*", "mirror"], config)
+    assert sorted(r.nft() for r in policy.rules) == [  # the preset named twice counts once
+        "ip daddr 0.0.0.0/0 accept",
+        "ip daddr 10.9.8.7/32 tcp dport 443 accept",
+        "ip daddr 8.8.8.8/32 udp dport 53 accept",
+    ]
+    assert policy.names == {"mirror.internal": ["10.9.8.7"]} and policy.any_host
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("sctp://1.2.3.4:80", "protocol 'sctp' is not one of"),
+        ("1.2.3.4:99999", "must be a number in 1..65535"),
+        ("1.2.3.999", "is not a valid IPv4 address or CIDR"),
+        (":80", "names no destination"),
+        ("bad host!", "neither a preset"),
+        (42, "give 'none', a preset name"),
+    ],
+)
+async def test_bad_network_rules_say_what_is_wrong(spec: object, message: str) -> None:
+    config = network.NetworkConfig(presets={}, hosts={}, pool=ipaddress.IPv4Network("10.0.0.0/18"), prefix="sh")
+    with pytest.raises(InvalidRequestError, match=message):
+        await network.resolve(spec, config)  # type: ignore[arg-type]
+
+
+def test_normalise_accepts_every_documented_form() -> None:
+    assert network.normalise("none") == [] and network.normalise(None) == [] and network.normalise([]) == []
+    assert network.normalise("pypi") == ["pypi"]
+    assert network.normalise({"pypi": True, "npm": False}) == ["pypi"]
+    assert network.normalise(["none", "tcp://a:1"]) == ["tcp://a:1"]
+
+
+def test_default_pool_is_a_stable_private_18() -> None:
+    pool = ipaddress.IPv4Network(network.default_pool("sh1a2b"))
+    assert pool.prefixlen == 18 and pool.subnet_of(ipaddress.IPv4Network("10.0.0.0/8"))
+    assert network.default_pool("sh1a2b") == str(pool)
+
+
+# ---------------------------------------------------------------- spec validation on the wire
+
+
+def test_spec_fields_are_typed_on_the_wire() -> None:
+    spec = msgspec.convert({"kind": "microvm", "memory_mb": 512, "network": ["pypi"]}, SandboxSpec)
+    assert spec.memory_mb == 512 and spec.pids == 1024 and spec.on_timeout == "kill"
+    with pytest.raises(msgspec.ValidationError, match="memory_mb"):
+        msgspec.convert({"memory_mb": "lots"}, SandboxSpec)
+    with pytest.raises(msgspec.ValidationError, match="network"):
+        msgspec.convert({"network": 5}, SandboxSpec)
+
+
+def test_pool_key_ignores_late_bound_fields() -> None:
+    a = SandboxSpec(image="debian", env={"A": "1"}, labels={"x": "y"}, ttl_s=5)
+    b = SandboxSpec(image="debian", workdir="/tmp", trajectory="t")
+    assert a.pool_key() == b.pool_key() != SandboxSpec(image="debian", memory_mb=64).pool_key()
