@@ -99,3 +99,39 @@ ERROR_TYPES: dict[str, type[ShoalError]] = {
         PayloadNotKeptError,
     ]
 }
+
+
+_BUILTIN_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
+}
+CANCELLED = "CancelledError"
+
+
+def to_wire(exc: BaseException) -> tuple[str, str, bool]:
+    """The one mapping from an exception to a wire error: (type, message, expected).
+
+    Typed errors (and the file errors a sandbox's agent reports) keep their class name and message;
+    cancellation is "CancelledError"; anything else is a bug, sent as a ShoalError naming the Python
+    exception, with `expected` False so the server logs its traceback."""
+    import asyncio
+
+    if isinstance(exc, asyncio.CancelledError):
+        return CANCELLED, "cancelled", True
+    name = type(exc).__name__
+    if isinstance(exc, ShoalError) and name in ERROR_TYPES:
+        return name, str(exc), True
+    if isinstance(exc, ShoalError):  # a subclass defined elsewhere: its nearest wire type
+        base = next(c for c in type(exc).__mro__ if c.__name__ in ERROR_TYPES)
+        return base.__name__, str(exc), True
+    if name in _BUILTIN_ERRORS and type(exc) is _BUILTIN_ERRORS[name]:
+        return name, str(exc), True
+    return "ShoalError", f"{name}: {exc}", False
+
+
+def from_wire(kind: str, message: str) -> Exception:
+    """The exception a wire error stands for (the inverse of `to_wire`)."""
+    if kind == CANCELLED:
+        return ShoalError(f"cancelled on the server: {message}")
+    cls = ERROR_TYPES.get(kind) or _BUILTIN_ERRORS.get(kind) or ShoalError
+    return cls(message)

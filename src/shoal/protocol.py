@@ -243,6 +243,17 @@ def decode_response(body: bytes) -> Response:
     return _response_decoder.decode(body)
 
 
+def error_response(request: Request, exc: BaseException) -> Response:
+    """The response to a request that raised `exc`: the one exception-to-wire mapping (errors.to_wire);
+    an unexpected exception (a bug) is logged with its traceback."""
+    from shoal.errors import to_wire
+
+    kind, message, expected = to_wire(exc)
+    if not expected:
+        log.error("operation %s failed", request.op, exc_info=exc)
+    return Response(id=request.id, error=ErrorInfo(type=kind, message=message))
+
+
 def to_builtins(value: Any) -> Any:
     return msgspec.to_builtins(value)
 

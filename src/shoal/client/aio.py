@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shoal import protocol, settings
+from shoal import ops, protocol, settings
 from shoal.client import functions, localfs, tartree
 from shoal.client.image import ImageBuilder
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.client.transport import Connection
-from shoal.client.transport import _error as wire_error
 from shoal.config import Paths, settings_env
 from shoal.errors import (
     DivergenceError,
@@ -28,11 +27,11 @@ from shoal.errors import (
     ShoalError,
     UnsafeEntryWarning,
 )
+from shoal.errors import from_wire as wire_error
 from shoal.protocol import OutputChunk, SandboxSpec
 from shoal.steps import describe, divergence_message, is_bulk, step_key
 
 DEFAULT_TIMEOUT = 60.0
-_REPEATABLE = {"get", "list", "status", "file_read", "file_list", "file_stat", "image_list", "kill", "keepalive"}
 FF_PAGE = 512  # log entries fetched per round trip while fast-forwarding
 _SPEC_FIELDS = set(SandboxSpec.__struct_fields__)
 
@@ -192,7 +191,7 @@ class AsyncClient:
         except NodeError:
             # the connection broke under the request; over TCP, a request that is safe to repeat is sent
             # again on a new connection (to the next gateway); others raise, as they may have run
-            if not (self._endpoints and conn.closed and op in _REPEATABLE):
+            if not (self._endpoints and conn.closed and op in ops.RETRYABLE):
                 raise
             self._next += 1
         await self.connect()
@@ -200,15 +199,75 @@ class AsyncClient:
 
     # ---------------------------------------------------------------- sandboxes
 
-    async def create(self, kind: str = "container", image: str = "debian", **options: Any) -> AsyncSandbox:
-        """Create a sandbox (from a warm pool when one matches). Options: see `SandboxSpec`.
+    async def create(
+        self,
+        kind: str = "container",
+        image: str = "debian",
+        *,
+        layers: Sequence[str] | None = None,
+        runtime: str = "crun",
+        cpu: float | None = None,
+        memory_mb: int | None = None,
+        pids: int | None = 1024,
+        disk_mb: int | None = None,
+        ttl_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        on_timeout: str = "kill",
+        env: dict[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
+        labels: dict[str, str] | None = None,
+        files: dict[str, bytes | str] | None = None,
+        network: str | list[str] | dict[str, bool] = "none",
+        output_cap_bytes: int | None = None,
+        pool: bool = True,
+        trajectory: str | None = None,
+        record: bool = True,
+        snapshot: str | None = None,
+        preimport: Sequence[str] | None = None,
+        owner: str | None = None,
+    ) -> AsyncSandbox:
+        """Create a sandbox (from a warm pool when one matches) and return a handle on it.
 
-        With `trajectory="run7/ep42"`, a live sandbox already running that trajectory is returned instead
-        (a restarted trainer gets its sandbox back); the handle counts steps from 0, so re-issued steps
-        return their logged results without running again (fast-forward).
+        Args:
+            kind: "container" (default), "microvm", "vm" (QEMU on the node) or "function".
+            image: the image to run (`images()` lists them; builtin ones are built on first use).
+            layers: images whose layers stack on top of `image`, bottom first.
+            runtime: the OCI runtime of a container: "crun" (default), "runc" or "runsc" (gVisor).
+            cpu: cores it may use (a cgroup quota); None: no limit.
+            memory_mb: memory limit in MiB; None: the node's default for the kind.
+            pids: most processes at once (a fork bomb stops here).
+            disk_mb: most MiB it may write; None: no cap.
+            ttl_s: it is closed (or paused, see `on_timeout`) this many seconds after creation;
+                `keepalive` pushes the deadline out.
+            idle_timeout_s: it is closed (or paused) after this long without a request.
+            on_timeout: "kill" or "pause" when `ttl_s` or `idle_timeout_s` runs out.
+            env: environment of every command it runs.
+            workdir: working directory of its commands (default "/").
+            user: user its commands run as (name or uid[:gid]); default root inside the sandbox.
+            labels: your key/values, for `list(labels=...)` and `close_all(labels=...)`.
+            files: {path: contents} written before `create` returns.
+            network: "none" (default), a preset ("pypi"), rules ("tcp://host:443", "10.0.0.0/8:80"), a list of
+                them, or {"pypi": True}; `set_network` changes it later.
+            output_cap_bytes: most bytes of stdout/stderr an exec keeps (the rest is cut, `truncated` set).
+            pool: False: never take a warm sandbox from a pool.
+            trajectory: a name for this episode. If a live sandbox of your project already runs it (on any
+                node of the cluster), that sandbox is returned and this handle re-issues steps from 0: steps
+                already logged return their logged results without running (fast-forward), a different step
+                raises DivergenceError. A restarted trainer gets its sandbox back this way.
+            record: False: do not log steps in the trajectory log (no fast-forward, no replay).
+            snapshot: microvm/vm: restore this snapshot (memory and disk) instead of booting.
+            preimport: function kind: modules its warm workers import before forking calls.
+            owner: who made it, shown by `list`; default this client's owner (user@host).
         """
-        if self.owner and "owner" not in options:
-            options["owner"] = self.owner
+        options: dict[str, Any] = {
+            "layers": list(layers or []), "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb, "pids": pids,
+            "disk_mb": disk_mb, "ttl_s": ttl_s, "idle_timeout_s": idle_timeout_s, "on_timeout": on_timeout,
+            "env": env or {}, "workdir": workdir, "user": user, "labels": labels or {}, "files": files or {},
+            "network": network, "output_cap_bytes": output_cap_bytes, "pool": pool, "trajectory": trajectory,
+            "record": record, "snapshot": snapshot, "preimport": list(preimport or []),
+            "owner": owner or self.owner,
+        }  # fmt: skip
         spec = _spec(kind, image, options)
 
         def release(info: Any) -> None:  # the caller was cancelled after the node made it

@@ -87,7 +87,36 @@ class Client:
         self._run(self._async.close())
         self._loop.stop()
 
-    def create(self, kind: str = "container", image: str = "debian", **options: Any) -> Sandbox:
+    def create(
+        self,
+        kind: str = "container",
+        image: str = "debian",
+        *,
+        layers: Sequence[str] | None = None,
+        runtime: str = "crun",
+        cpu: float | None = None,
+        memory_mb: int | None = None,
+        pids: int | None = 1024,
+        disk_mb: int | None = None,
+        ttl_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        on_timeout: str = "kill",
+        env: dict[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
+        labels: dict[str, str] | None = None,
+        files: dict[str, bytes | str] | None = None,
+        network: str | list[str] | dict[str, bool] = "none",
+        output_cap_bytes: int | None = None,
+        pool: bool = True,
+        trajectory: str | None = None,
+        record: bool = True,
+        snapshot: str | None = None,
+        preimport: Sequence[str] | None = None,
+        owner: str | None = None,
+    ) -> Sandbox:
+        # the docstring is AsyncClient.create's (carried below), with the same signature
+        options = {k: v for k, v in locals().items() if k not in ("self", "kind", "image")}
         return Sandbox(self, self._run(self._async.create(kind, image, **options)))
 
     def create_many(

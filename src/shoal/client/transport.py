@@ -8,21 +8,12 @@ from collections.abc import Callable
 from typing import Any
 
 from shoal import protocol
-from shoal.errors import ERROR_TYPES, NodeError, ShoalError
+from shoal.errors import NodeError, from_wire
 from shoal.protocol import Request
-
-_BUILTIN_ERRORS: dict[str, type[Exception]] = {
-    "FileNotFoundError": FileNotFoundError,
-    "IsADirectoryError": IsADirectoryError,
-    "NotADirectoryError": NotADirectoryError,
-    "PermissionError": PermissionError,
-    "FileExistsError": FileExistsError,
-}
 
 
 def _error(kind: str, message: str) -> Exception:
-    cls = ERROR_TYPES.get(kind) or _BUILTIN_ERRORS.get(kind) or ShoalError
-    return cls(message)
+    return from_wire(kind, message)
 
 
 class _Call:

@@ -116,15 +116,3 @@ class Tokens:
 
 def new_token() -> str:
     return "shoal_" + secrets.token_urlsafe(24)
-
-
-def sandbox_of(op: str, args: dict[str, Any]) -> str | None:
-    """The sandbox a request addresses, or None for requests that address no single sandbox."""
-    if op == "exec":
-        req = args.get("req")
-        return req.get("sandbox_id") if isinstance(req, dict) else None
-    if op in ("shell_run", "shell_close"):
-        shell = args.get("shell_id")
-        return shell.partition("/")[0] if isinstance(shell, str) else None
-    sid = args.get("sandbox_id")
-    return sid if isinstance(sid, str) else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ class ProjectSession:
         if project is None:  # the cluster itself: everything, no quotas
             result = await invoke(args)
             if op == "status":
-                result = dict(result, projects=self.projects.all_usage())
+                result = dict(result, projects=self.projects.all_usage(), usage_as_of=time.time())
             return result
         return await self.projects.call(project, op, args, invoke, enforce=not self.identity.cluster)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import hashlib
 import logging
 import os
 import random
@@ -25,11 +26,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shoal import protocol, settings
+from shoal import ops, protocol, settings
 from shoal.client.transport import Connection
 from shoal.cluster import placement
 from shoal.cluster.admission import AdmissionQueue
-from shoal.cluster.auth import CLUSTER_ROLE, Identity, Tokens, Usage, cost, sandbox_of
+from shoal.cluster.auth import CLUSTER_ROLE, Identity, Tokens, Usage, cost
 from shoal.cluster.metrics import Counter, CounterFn, Gauge, Histogram, Registry
 from shoal.cluster.placement import NodeView
 from shoal.errors import (
@@ -43,19 +44,10 @@ from shoal.errors import (
     UnsupportedKindError,
 )
 from shoal.netguard import ConnectionGuard, serve_tcp
-from shoal.protocol import ErrorInfo, Request, Response, combine_status, merge_image_lists
+from shoal.protocol import Request, Response, combine_status, merge_image_lists
 
 log = logging.getLogger("shoal.gateway")
 
-ROUTED = {
-    "get", "kill", "keepalive", "exec", "file_write", "file_untar", "file_read", "file_list", "file_stat", "file_mkdir",
-    "file_remove", "shell_open", "shell_run", "shell_close", "sandbox_snapshot", "set_network",
-    "pause", "resume", "vm_snapshot", "fork",
-}  # fmt: skip
-ANYWHERE = {"fn_call", "fn_run_code"}  # stateless calls: any node that runs the kind, the least loaded of k
-# sent to every healthy node; answered as {node_id: result}
-ADMIN_FANOUT = {"pool_set", "image_build", "image_rm", "image_prune", "image_tag", "image_squash", "image_pull"}
-READ_FANOUT = {"image_ls", "image_inspect"}
 NOT_CONTACTED = placement.NOT_CONTACTED
 
 
@@ -184,9 +176,11 @@ class Gateway:
             view = self.nodes[node_id]
             try:
                 conn = await self._conn(view)
-                asked = time.monotonic()
                 status = await asyncio.wait_for(conn.call("status"), 5)
-                view.placed = [p for p in view.placed if p[0] >= asked]  # the rest are in this status
+                # a sandbox made (node clock) before the node took its usage snapshot is in the snapshot (as
+                # owned, or as reserved while its create was in flight); the later ones are counted from here
+                view.usage_as_of = float(status.get("usage_as_of", 0.0))
+                view.placed = [p for p in view.placed if p[0] > view.usage_as_of]
                 if tick % images_every == 0 or not view.healthy:
                     view.images = frozenset(await asyncio.wait_for(conn.call("image_list"), 5))
                 view.status = status
@@ -259,49 +253,50 @@ class Gateway:
                 on_event = lambda event: send(Response(id=request.id, event=event))  # noqa: E731
                 result = await self.dispatch(ident, request.op, dict(request.args), on_event)
             response = Response(id=request.id, result=result)
-        except asyncio.CancelledError:
-            response = Response(id=request.id, error=ErrorInfo(type="CancelledError", message="cancelled"))
-        except (ShoalError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError,
-                FileExistsError) as exc:  # fmt: skip
-            response = Response(id=request.id, error=ErrorInfo(type=type(exc).__name__, message=str(exc)))
-        except Exception as exc:
-            log.exception("operation %s failed", request.op)
-            response = Response(
-                id=request.id, error=ErrorInfo(type="ShoalError", message=f"{type(exc).__name__}: {exc}")
-            )
+        except (Exception, asyncio.CancelledError) as exc:  # every failure is this request's error response
+            response = protocol.error_response(request, exc)
         self._observe(request.op, time.monotonic() - started, response.error.type if response.error else None)
         send(response)
 
-    async def dispatch(self, ident: Identity, op: str, args: dict[str, Any], on_event: Callable[[Any], None]) -> Any:
-        """Serve one request for `ident` (a project, or the cluster acting for `_project` or for everyone)."""
+    async def dispatch(self, ident: Identity, name: str, args: dict[str, Any], on_event: Callable[[Any], None]) -> Any:
+        """Serve one request for `ident` (a project, or the cluster acting for `_project` or for everyone),
+        routed as its entry in the operation table (shoal/ops.py) says."""
         project = args.pop("_project", None) if ident.cluster else ident.project
-        if op == "hello":
-            return {"gateway": self.name, "nodes": sorted(self.nodes), "kinds": sorted(self._kinds())}
-        if op == "cluster_status":
-            view = self.cluster_status()
-            if not ident.cluster:  # a project sees its own queue, not which other projects wait
-                view["queue_by_project"] = {p: d for p, d in view["queue_by_project"].items() if p == project}
-            return view
-        if op == "metrics":
-            return self.metrics.render()
-        if op == "cluster_nodes":
-            if not ident.cluster:
-                raise AuthenticationError("cluster_nodes needs the cluster token")
-            self.set_nodes(args.get("nodes") or {}, args.get("gone") or {})
-            return sorted(self.nodes)
-        if op in ROUTED or (op in ANYWHERE and args.get("sandbox_id")):
+        op = ops.get(name)
+        if op.access == ops.CLUSTER and not ident.cluster:
+            raise AuthenticationError(f"operation {name!r} needs a cluster (admin) token, not project {project!r}'s")
+        if op.route in (ops.LOCAL, ops.GATEWAY):
+            return self._local(op, args, ident)
+        if op.route == ops.SANDBOX or (op.route == ops.ANYWHERE and op.sandbox_of(args)):
             return await self._routed(op, args, project, on_event)
-        if op in ANYWHERE:
-            return await self._anywhere(op, args, project, on_event)
-        if op == "create":
+        if op.route == ops.ANYWHERE:
+            return await self._anywhere(op.name, args, project, on_event)
+        if op.route == ops.TARGET:
+            return await self._targeted(op, args, project, on_event)
+        if op.route == ops.PLACED:
             if project is None:
                 raise InvalidRequestError("create through a gateway needs a project (use a project token)")
             return await self.create(project, args)
-        if op in ("list", "close_all", "status", "image_list") or op in ADMIN_FANOUT or op in READ_FANOUT:
-            if op in ADMIN_FANOUT and project is not None and not ident.cluster:
-                raise AuthenticationError(f"operation {op!r} needs a cluster (admin) token, not project {project!r}'s")
-            return await self._fanout(op, args, project)
-        raise InvalidRequestError(f"unknown operation {op!r}")
+        if op.route == ops.ONE:
+            return await self._one(op, args, project, on_event)
+        return await self._fanout(op, args, project, on_event)
+
+    def _local(self, op: ops.Op, args: dict[str, Any], ident: Identity) -> Any:
+        if op.name == "auth":
+            return {"gateway": self.name, "node_id": None, "project": ident.project, "cluster": ident.cluster}
+        if op.name == "hello":
+            return {"gateway": self.name, "nodes": sorted(self.nodes), "kinds": sorted(self._kinds())}
+        if op.name == "cluster_status":
+            view = self.cluster_status()
+            if not ident.cluster:  # a project sees its own queue, not which other projects wait
+                view["queue_by_project"] = {p: d for p, d in view["queue_by_project"].items() if p == ident.project}
+            return view
+        if op.name == "metrics":
+            return self.metrics.render()
+        if op.name == "cluster_nodes":
+            self.set_nodes(args.get("nodes") or {}, args.get("gone") or {})
+            return sorted(self.nodes)
+        raise InvalidRequestError(f"operation {op.name!r} has no local implementation in the gateway")
 
     def _kinds(self) -> set[str]:
         return set().union(*(v.kinds for v in self.nodes.values())) if self.nodes else set()
@@ -323,11 +318,18 @@ class Gateway:
             f"sandbox {sandbox_id} is lost: its node {node_id} stopped answering {ago:.1f} s ago ({view.reason})"
         )
 
-    async def _routed(self, op: str, args: dict[str, Any], project: str | None, on_event: Callable) -> Any:
-        sandbox_id = sandbox_of(op, args)
+    async def _routed(self, op: ops.Op, args: dict[str, Any], project: str | None, on_event: Callable) -> Any:
+        sandbox_id = op.sandbox_of(args)
         if not sandbox_id:
-            raise InvalidRequestError(f"{op} needs a sandbox ID")
-        node_id = node_of(sandbox_id, self.nodes.keys() | self.gone.keys())
+            raise InvalidRequestError(f"{op.name} needs a sandbox ID ({op.sandbox_arg})")
+        return await self._on_node(
+            op.name, node_of(sandbox_id, self.nodes.keys() | self.gone.keys()), sandbox_id, args, project, on_event
+        )
+
+    async def _on_node(
+        self, op: str, node_id: str, sandbox_id: str, args: dict[str, Any], project: str | None, on_event: Callable
+    ) -> Any:
+        """Send a request about `sandbox_id` to its node; a node that is gone makes it SandboxLostError."""
         view = self.nodes.get(node_id)
         if op == "kill" and view is None and node_id in self.gone:
             return None  # its node left the cluster: the sandbox is gone already, and closing twice is fine
@@ -366,31 +368,34 @@ class Gateway:
                 self._mark(view, False, f"{type(exc).__name__}: {exc}")
                 tried.add(view.node_id)
 
-    async def _fanout(self, op: str, args: dict[str, Any], project: str | None) -> Any:
+    async def _fanout(
+        self, op: ops.Op, args: dict[str, Any], project: str | None, on_event: Callable | None = None
+    ) -> Any:
+        """Send to every healthy node and merge the answers as the table says (`op.merge`)."""
         views = self.healthy()
         if project is not None:
             args["_project"] = project
 
         async def one(view: NodeView) -> Any:
-            return await (await self._conn(view)).call(op, args)
+            return await (await self._conn(view)).call(op.name, args, on_event=on_event)
 
         results = await asyncio.gather(*(one(v) for v in views), return_exceptions=True)
         answers = {v.node_id: r for v, r in zip(views, results, strict=True)}
         failed = {n: r for n, r in answers.items() if isinstance(r, BaseException)}
         ok = {n: r for n, r in answers.items() if not isinstance(r, BaseException)}
-        if op == "list":
-            return [info for r in ok.values() for info in r]
-        if op == "close_all":
+        if op.merge == ops.STATUS:  # shaped like a node's (protocol.combine_status), plus the gateway's name
+            return {**combine_status(ok, {n: str(e) for n, e in failed.items()}), "gateway": self.name}
+        if op.merge == ops.CONCAT:  # what the reachable nodes hold (a lost node's sandboxes are lost)
+            return [item for r in ok.values() for item in r]
+        if op.merge == ops.SUM:
             if failed:
                 self.admission.pump()
             return sum(ok.values())
-        if op == "image_list":
+        if op.merge == ops.UNION:
             return sorted(set().union(*ok.values())) if ok else []
-        if op == "status":  # shaped like a node's (protocol.combine_status), plus the gateway's name
-            return {**combine_status(ok, {n: str(e) for n, e in failed.items()}), "gateway": self.name}
-        if op == "image_ls":  # one entry per image, as a node lists it, naming the nodes that hold it
+        if op.merge == ops.IMAGES:  # one entry per image, as a node lists it, naming the nodes that hold it
             return merge_image_lists(ok.values())
-        if op == "image_inspect" and ok:  # one record, as a node answers, naming the nodes that hold it
+        if op.merge == ops.INSPECT and ok:  # one record, as a node answers, naming the nodes that hold it
             record = dict(next(iter(ok.values())))
             record["nodes"] = sorted(n for r in ok.values() for n in r.get("nodes", []))
             return record
@@ -398,6 +403,62 @@ class Gateway:
             first = next(iter(failed.values()))
             raise first if isinstance(first, Exception) else ShoalError(str(first))
         return ok
+
+    async def _one(self, op: ops.Op, args: dict[str, Any], project: str | None, on_event: Callable) -> Any:
+        """An image operation that one node does for the cluster: a healthy node that has the image."""
+        name = args.get("name")
+        views = sorted(self.healthy(), key=lambda v: (name not in v.images, v.node_id))
+        if not views:
+            raise CapacityError(f"no healthy node in the cluster ({self._down()}); start or fix nodes")
+        if project is not None:
+            args["_project"] = project
+        return await (await self._conn(views[0])).call(op.name, args, on_event=on_event)
+
+    # ------------------------------------------------------------------ trajectories
+
+    async def find(self, target: str, project: str | None) -> list[dict[str, Any]]:
+        """Every node's answer to "where is `target` (sandbox ID or trajectory name) of `project`": the
+        source of truth for a name, whatever the node set was when it was made. Live entries first."""
+        rows = await self._fanout(ops.OPS["trajectory_find"], {"target": target}, project)
+        return sorted(rows, key=lambda row: row["status"] != "live")
+
+    def home(self, name: str, project: str, kind: str) -> NodeView | None:
+        """The node where trajectory `name` of `project` is made: rendezvous hashing over the healthy nodes
+        that run `kind`, so every gateway with the same view picks the same node, and that node serialises
+        concurrent creates of the name (two trainers racing through two gateways get one sandbox)."""
+        options = [v for v in self.healthy() if kind in v.kinds]
+        if not options:
+            return None
+
+        def score(view: NodeView) -> bytes:
+            return hashlib.sha256(f"{project}\0{name}\0{view.node_id}".encode()).digest()
+
+        return max(options, key=score)
+
+    async def _targeted(self, op: ops.Op, args: dict[str, Any], project: str | None, on_event: Callable) -> Any:
+        """attach / log_steps / replay: by sandbox ID or trajectory name, on the node that holds it."""
+        target = args.get("target")
+        if not isinstance(target, str) or not target:
+            raise InvalidRequestError(f"{op.name} needs a target: a sandbox ID or a trajectory name")
+        try:
+            node_id = node_of(target, self.nodes.keys())
+        except InvalidRequestError:  # not shaped like an ID: a name
+            node_id = ""
+        if node_id in self.nodes and self.nodes[node_id].healthy:  # looks like a sandbox ID: ask its node
+            try:
+                return await self._on_node(op.name, node_id, target, args, project, on_event)
+            except SandboxNotFoundError:  # a trajectory name that only looks like an ID
+                pass
+        found = await self.find(target, project)
+        if not found:
+            raise SandboxNotFoundError(
+                f"no sandbox or trajectory {target!r} in this cluster"
+                + (f" for project {project!r}" if project else "")
+                + f" (asked nodes {', '.join(sorted(v.node_id for v in self.healthy())) or 'none'})"
+            )
+        row = found[0]
+        args["target"] = row["sandbox_id"]  # the exact sandbox: a name may have run on several nodes
+        return await self._on_node(op.name, row["node_id"], row["sandbox_id"], args, project, on_event)
 
     # ------------------------------------------------------------------ creates
 
@@ -428,6 +489,14 @@ class Gateway:
             raise UnsupportedKindError(
                 f"kind {kind!r}: no node in this cluster runs it (kinds: {sorted(self._kinds())})"
             )
+        pinned = None
+        name = spec.get("trajectory")
+        if name and kind != "function":
+            found = await self.find(name, project)
+            if found:  # the name exists: its node attaches (live) or says how it ended, as a node alone would
+                row = found[0]
+                return await self._on_node("create", row["node_id"], row["sandbox_id"], args, project, lambda e: None)
+            pinned = self.home(name, project, kind)
         cpu, mem = cost(spec)
         self.tokens.check(project, self._project_usage(project), cpu, mem)
         reserved = self.reserving[project]
@@ -444,16 +513,21 @@ class Gateway:
                 await self.admission.acquire(project, deadline, front=front)
                 front = True
                 try:
-                    view = placement.choose(
-                        list(self.nodes.values()), kind, image, tried, self.max_inflight, self.k, self.rng
-                    )
+                    if pinned is not None and pinned.healthy and pinned.node_id not in tried:
+                        view: NodeView | None = pinned  # a new trajectory: its home node (see `home`)
+                    else:
+                        view = placement.choose(
+                            list(self.nodes.values()), kind, image, tried, self.max_inflight, self.k, self.rng
+                        )
                     if view is None:
                         tried.clear()
                         await asyncio.sleep(0.02)  # the view was stale; let the pollers and answers catch up
                         continue
                     info = await self._create_on(view, project, spec, tried)
                     if info is not None:
-                        view.placed.append((time.monotonic(), project, cpu, mem))
+                        made_at = float(info.get("created_at", time.time()))
+                        if made_at > view.usage_as_of:  # else the last poll counted it already (reserved)
+                            view.placed.append((made_at, project, cpu, mem))
                         self.created.inc(view.node_id)
                         self.create_latency.observe(time.monotonic() - started)
                         return info

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -15,22 +16,33 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from shoal import settings
+from shoal import ops, settings
 from shoal.cluster.metrics import CONTENT_TYPE, node_metrics
 from shoal.config import parse_hostport
 from shoal.errors import (
     AuthenticationError,
     CapacityError,
+    DivergenceError,
     InvalidRequestError,
     NotFoundError,
     QuotaExceededError,
     SandboxLostError,
     ShoalError,
+    from_wire,
+    to_wire,
 )
 from shoal.netguard import serve_tcp
 
+log = logging.getLogger("shoal.http")
+
 _STATUS = [
     (AuthenticationError, 401),
+    (FileNotFoundError, 404),
+    (IsADirectoryError, 400),
+    (NotADirectoryError, 400),
+    (FileExistsError, 409),
+    (PermissionError, 403),
+    (DivergenceError, 409),
     (QuotaExceededError, 403),
     (NotFoundError, 404),
     (InvalidRequestError, 400),
@@ -82,9 +94,14 @@ async def serve_node_http(server: Any, where: str, home: Any = None) -> Callable
     return await _start(app, where, None if home is None else Path(home) / "node.http")
 
 
-def _error(exc: Exception) -> web.Response:
-    status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 500)
-    return web.json_response({"error": type(exc).__name__, "message": str(exc)}, status=status)
+def _error(exc: BaseException) -> web.Response:
+    """The HTTP form of the one exception-to-wire mapping (errors.to_wire), with a status per error class."""
+    kind, message, expected = to_wire(exc)
+    if not expected:
+        log.error("HTTP request failed", exc_info=exc)
+    wire = from_wire(kind, message)
+    status = next((code for cls, code in _STATUS if isinstance(wire, cls)), 500)
+    return web.json_response({"error": kind, "message": message}, status=status)
 
 
 def _jsonable(value: Any) -> Any:
@@ -120,16 +137,14 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
             )
         return await handler(request)
 
+    async def dispatch(request: web.Request, op: str, args: dict[str, Any]) -> Any:
+        return await gateway.dispatch(request["identity"], op, args, lambda _e: None)
+
     async def call(request: web.Request, op: str, args: dict[str, Any]) -> web.Response:
         try:
-            ident = request["identity"]
-            result = msgspec.to_builtins(
-                await gateway.dispatch(ident, op, args, lambda _e: None), builtin_types=(bytes,)
-            )
-        except ShoalError as exc:
+            result = msgspec.to_builtins(await dispatch(request, op, args), builtin_types=(bytes,))
+        except Exception as exc:  # every failure: a JSON error with the status of its class
             return _error(exc)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
-            return web.json_response({"error": type(exc).__name__, "message": str(exc)}, status=404)
         if isinstance(result, bytes):
             return web.Response(body=result, content_type="application/octet-stream")
         return web.json_response(_jsonable(result))
@@ -176,6 +191,19 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
         args = {"sandbox_id": request.match_info["id"], "path": request.query["path"], "data": data}
         return await call(request, "file_write", args)
 
+    async def generic(request: web.Request) -> web.Response:
+        """POST /v1/ops/<name>: any operation of the table, its arguments as a JSON object (bytes base64)."""
+        try:
+            op = ops.get(request.match_info["name"])
+            args = op.convert(await body(request))  # checked and typed here: bytes arrive as base64
+            raw = msgspec.to_builtins(args, builtin_types=(bytes,))
+            result = await dispatch(request, op.name, {k: v for k, v in raw.items() if k in args.__struct_fields__})
+        except web.HTTPException:
+            raise
+        except Exception as exc:
+            return _error(exc)
+        return web.Response(body=msgspec.json.encode(result), content_type="application/json")  # bytes: base64
+
     async def cluster(request: web.Request) -> web.Response:
         return await call(request, "cluster_status", {})
 
@@ -199,6 +227,7 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
             web.get("/v1/sandboxes/{id}/files", read_file),
             web.put("/v1/sandboxes/{id}/files", write_file),
             web.get("/v1/cluster", cluster),
+            web.post("/v1/ops/{name}", generic),
             web.get("/metrics", metrics),
             web.get("/healthz", healthz),
             web.get("/openapi.json", openapi),
@@ -207,64 +236,37 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
     return await _start(app, where, addr_file)
 
 
-def _op(summary: str, body: str | None = None, query: list[str] | None = None) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "security": [{"bearer": []}], "responses": {"200": {"description": "ok"}}}
+def _route(summary: str, op: str, body: str | None = None, query: list[str] | None = None) -> dict[str, Any]:
+    """A REST route's OpenAPI entry: it calls operation `op` (see /v1/ops/<op> for its full schema)."""
+    entry: dict[str, Any] = {
+        "summary": summary,
+        "description": f"operation `{op}` ({ops.OPS[op].doc})",
+        "security": [{"bearer": []}],
+        "responses": {"200": {"description": "ok"}},
+    }
     if body:
-        op["requestBody"] = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}}}
+        entry["requestBody"] = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}}}
     params = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}] if "{id}" in summary else []
     params += [{"name": q, "in": "query", "required": True, "schema": {"type": "string"}} for q in query or []]
     if params:
-        op["parameters"] = params
-    return op
+        entry["parameters"] = params
+    return entry
 
 
-_ERRORS = "Errors: 400 invalid request, 401 bad token, 403 quota, 404 not found, 410 sandbox lost, 503 no capacity."
-OPENAPI: dict[str, Any] = {
-    "openapi": "3.0.3",
-    "info": {"title": "shoal gateway", "version": "1", "description": _ERRORS},
-    "components": {
-        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        "schemas": {
-            "SandboxSpec": {
-                "type": "object",
-                "properties": {
-                    "kind": {"type": "string", "default": "container"},
-                    "image": {"type": "string", "default": "debian"},
-                    "cpu": {"type": "number"},
-                    "memory_mb": {"type": "integer"},
-                    "ttl_s": {"type": "number"},
-                    "env": {"type": "object", "additionalProperties": {"type": "string"}},
-                    "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-                    "files": {"type": "object", "additionalProperties": {"type": "string", "format": "byte"}},
-                    "workdir": {"type": "string"},
-                    "user": {"type": "string"},
-                },
-            },
-            "ExecRequest": {
-                "type": "object",
-                "required": ["cmd"],
-                "properties": {
-                    "cmd": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-                    "timeout": {"type": "number"},
-                    "idle_timeout": {"type": "number"},
-                    "env": {"type": "object", "additionalProperties": {"type": "string"}},
-                    "cwd": {"type": "string"},
-                    "stdin": {"type": "string"},
-                },
-            },
-        },
+REST = {
+    "/v1/sandboxes": {
+        "post": _route("Create a sandbox (queued while the cluster is full)", "create", "SandboxSpec"),
+        "get": _route("List this project's sandboxes", "list"),
     },
-    "paths": {
-        "/v1/sandboxes": {
-            "post": _op("Create a sandbox (queued while the cluster is full)", "SandboxSpec"),
-            "get": _op("List this project's sandboxes"),
-        },
-        "/v1/sandboxes/{id}": {"get": _op("Describe sandbox {id}"), "delete": _op("Close sandbox {id}")},
-        "/v1/sandboxes/{id}/exec": {"post": _op("Run a command in sandbox {id}", "ExecRequest")},
-        "/v1/sandboxes/{id}/files": {
-            "get": _op("Read a file of sandbox {id} (raw bytes)", query=["path"]),
-            "put": _op("Write a file of sandbox {id} (raw body)", query=["path"]),
-        },
-        "/v1/cluster": {"get": _op("The gateway's view of the cluster")},
+    "/v1/sandboxes/{id}": {
+        "get": _route("Describe sandbox {id}", "get"),
+        "delete": _route("Close sandbox {id}", "kill"),
     },
+    "/v1/sandboxes/{id}/exec": {"post": _route("Run a command in sandbox {id}", "exec", "ExecRequest")},
+    "/v1/sandboxes/{id}/files": {
+        "get": _route("Read a file of sandbox {id} (raw bytes)", "file_read", query=["path"]),
+        "put": _route("Write a file of sandbox {id} (raw body)", "file_write", query=["path"]),
+    },
+    "/v1/cluster": {"get": _route("The gateway's view of the cluster", "cluster_status")},
 }
+OPENAPI: dict[str, Any] = ops.openapi(extra_paths=REST)  # generated from the operation table

@@ -31,7 +31,9 @@ class NodeView:
     inflight: int = 0  # creates sent and not yet answered
     full: bool = False  # the node refused a create for capacity since the last poll
     projects: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-project usage, as polled
-    placed: list[tuple[float, str, float, int]] = field(default_factory=list)  # (when, project, cpu, mem) since
+    # creates placed since the last poll: (created_at on the node's clock, project, cpu, mem)
+    placed: list[tuple[float, str, float, int]] = field(default_factory=list)
+    usage_as_of: float = 0.0  # when (node clock) the node took the per-project usage of the last poll
     status: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from shoal.cluster.auth import PROJECT_LABEL, Tokens, Usage, cost, sandbox_of
+from shoal import ops
+from shoal.cluster.auth import PROJECT_LABEL, Tokens, Usage, cost
 from shoal.errors import (
     AuthenticationError,
     ImageNotFoundError,
@@ -44,13 +45,6 @@ Invoke = Callable[[dict[str, Any]], Awaitable[Any]]
 
 SCOPE = "@"  # names starting with it are namespaced: `@<project>/<name>`; projects cannot name them directly
 REMEMBERED_IDS = 100_000  # sandbox IDs of closed sandboxes whose project is remembered (like `closed`)
-
-PROJECT_OPS = {
-    "hello", "create", "get", "list", "kill", "close_all", "keepalive", "exec", "file_write", "file_untar", "file_read",
-    "file_list", "file_stat", "file_mkdir", "file_remove", "shell_open", "shell_run", "shell_close",
-    "image_list", "status", "image_ls", "image_inspect", "sandbox_snapshot", "set_network", "fn_call", "fn_run_code",
-    "pause", "resume", "vm_snapshot", "vm_snapshot_delete", "fork",
-}  # fmt: skip
 
 
 def scoped(project: str, name: str) -> str:
@@ -109,13 +103,16 @@ class Tenancy:
     async def call(self, project: str, op: str, args: dict[str, Any], invoke: Invoke, enforce: bool) -> Any:
         """Serve `op` for `project`: refuse what is not its own, put its names in its namespace, take the
         namespace off the answer. `enforce`: hold it to its quotas here (a gateway enforces them itself)."""
-        if op not in PROJECT_OPS:
+        spec = ops.get(op)
+        if spec.access != ops.PROJECT:
             raise AuthenticationError(f"operation {op!r} needs a cluster (admin) token, not project {project!r}'s")
-        sandbox_id = sandbox_of(op, args)
-        if sandbox_id is not None and self.owner(sandbox_id) not in (None, project):
+        sandbox_id = spec.sandbox_of(args)
+        if spec.route == ops.TARGET and sandbox_id is not None:
+            args["target"] = sandbox_id = self._target(project, sandbox_id)
+        elif sandbox_id is not None and self.owner(sandbox_id) not in (None, project):
             node = self.service.settings.node_id
             raise SandboxNotFoundError(f"no sandbox {sandbox_id} on node {node} in project {project!r}")
-        if op in ("list", "close_all"):
+        if spec.scoped:
             args["labels"] = {**(args.get("labels") or {}), PROJECT_LABEL: project}
         elif op == "status":
             return self._status(project)
@@ -138,10 +135,28 @@ class Tenancy:
             self.snapshots.pop(args["snapshot_id"], None)
         elif op == "image_list":
             return self._visible_images(project, result)
+        elif op == "trajectory_find":
+            return [dict(row, trajectory=self._unscope(project, row["trajectory"])) for row in result]
+        elif op == "log_steps" and result.get("sandbox"):
+            return dict(
+                result,
+                sandbox=dict(result["sandbox"], trajectory=self._unscope(project, result["sandbox"]["trajectory"])),
+            )
         elif op == "image_ls":
             mine = [r for r in result if not r["name"].startswith(SCOPE) or r["name"].startswith(scoped(project, ""))]
             return [dict(r, name=self._unscope(project, r["name"])) for r in mine]
         return self._shown(project, result)
+
+    def _target(self, project: str, target: str) -> str:
+        """attach / log_steps / replay / trajectory_find name a sandbox ID or a trajectory name: an ID of the
+        project's is kept, another project's is "not found", anything else is a name in its namespace."""
+        owner = self.owner(target)
+        if owner == project:
+            return target
+        if owner is not None:
+            node = self.service.settings.node_id
+            raise SandboxNotFoundError(f"no sandbox or trajectory {target!r} on node {node} in project {project!r}")
+        return scoped(project, target)
 
     async def _create(self, project: str, args: dict[str, Any], invoke: Invoke, enforce: bool) -> Any:
         spec = self._spec(project, dict(args.get("spec") or {}))

@@ -7,60 +7,36 @@ connection goes away is cancelled (an exec's process tree is then killed by the 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
-import typing
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
-from shoal import protocol
-from shoal.errors import InvalidRequestError, ShoalError
+from shoal import ops, protocol
+from shoal.errors import InvalidRequestError
 from shoal.node.service import NodeService
 from shoal.node.trajectory import detached_tasks
-from shoal.protocol import ErrorInfo, Request, Response
+from shoal.protocol import Request, Response
 
 log = logging.getLogger("shoal.server")
 
-OPS = [
-    "hello", "create", "get", "list", "kill", "close_all", "keepalive", "exec",
-    "file_write", "file_read", "file_list", "file_stat", "file_mkdir", "file_remove", "file_untar",
-    "shell_open", "shell_run", "shell_close", "pool_set", "image_build", "image_list", "status",
-    "image_ls", "image_inspect", "image_rm", "image_prune", "image_tag", "image_squash", "image_import", "image_export",
-    "image_pull", "image_push",
-    "sandbox_snapshot",
-    "set_network",
-    "fn_call", "fn_run_code",
-    "attach", "pause", "resume", "pause_all", "resume_all", "log_steps", "replay",
-    "vm_snapshot", "vm_snapshot_delete", "fork",
-    "settings_env",
-]  # fmt: skip
-
 
 class _Op:
-    def __init__(self, method: Callable[..., Any]) -> None:
+    """An entry of the operation table bound to the NodeService method that implements it."""
+
+    def __init__(self, spec: ops.Op, method: Callable[..., Any]) -> None:
+        self.spec = spec
         self.method = method
-        hints = typing.get_type_hints(method)
-        params = inspect.signature(method).parameters
-        self.types = {name: hints.get(name, Any) for name in params if name != "emit"}
-        self.streams = "emit" in params
+        self.streams = spec.streams
 
     def arguments(self, args: dict[str, Any]) -> dict[str, Any]:
-        unknown = set(args) - set(self.types)
-        if unknown:
-            raise InvalidRequestError(f"unknown arguments {sorted(unknown)}")
-        try:
-            return {k: protocol.convert(v, self.types[k]) for k, v in args.items()}
-        except msgspec.ValidationError as exc:
-            raise InvalidRequestError(f"invalid request: {exc}") from None
+        return self.spec.kwargs(args)
 
 
 class NodeServer:
     def __init__(self, service: NodeService) -> None:
         self.service = service
-        self.ops = {name: _Op(getattr(service, name)) for name in OPS}
+        self.ops = {name: _Op(ops.OPS[name], getattr(service, name)) for name in ops.NODE_OPS}
         self.connections = 0
         # called as observer(op, seconds, error_type_or_None) after each request (metrics)
         self.observers: list[Callable[[str, float, str | None], None]] = []
@@ -93,16 +69,25 @@ class NodeServer:
             self.connections -= 1
             writer.close()
 
+    def _local_identity(self) -> dict[str, Any]:
+        """`auth` on the Unix socket: whoever can open it is root on this machine, the node's admin."""
+        return {"node_id": self.service.settings.node_id, "project": None, "cluster": True}
+
     async def _serve(self, request: Request, send: Callable[[Response], Any], session: Any = None) -> None:
         started = time.monotonic()
         error: str | None = None
         try:
+            op = self.ops.get(request.op)
             if session is not None and request.op in session.ops:
                 result = await session.serve(request)
+            elif op is None:
+                if ops.get(request.op).name != "auth":  # ops.get raises for an unknown name, listing the known
+                    raise InvalidRequestError(
+                        f"operation {request.op!r} is served by a gateway, not by a node "
+                        f"({self.service.settings.node_id}); connect to a gateway"
+                    )
+                result = self._local_identity()
             else:
-                op = self.ops.get(request.op)
-                if op is None:
-                    raise InvalidRequestError(f"unknown operation {request.op!r}")
 
                 async def invoke(args: dict[str, Any]) -> Any:
                     kwargs = op.arguments(args)
@@ -119,16 +104,8 @@ class NodeServer:
                 else:
                     result = await session.call(request.op, request.args, invoke)
             response = Response(id=request.id, result=result)
-        except asyncio.CancelledError:
-            response = Response(id=request.id, error=ErrorInfo(type="CancelledError", message="cancelled"))
-        except ShoalError as exc:
-            response = Response(id=request.id, error=ErrorInfo(type=type(exc).__name__, message=str(exc)))
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError) as exc:
-            response = Response(id=request.id, error=ErrorInfo(type=type(exc).__name__, message=str(exc)))
-        except Exception as exc:
-            log.exception("operation %s failed", request.op)
-            message = f"{type(exc).__name__}: {exc}"
-            response = Response(id=request.id, error=ErrorInfo(type="ShoalError", message=message))
+        except (Exception, asyncio.CancelledError) as exc:  # every failure is this request's error response
+            response = protocol.error_response(request, exc)
         if response.error is not None:
             error = response.error.type
         for observer in self.observers:

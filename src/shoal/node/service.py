@@ -1109,6 +1109,24 @@ class NodeService:
             raise SandboxNotFoundError(f"no trajectory log for {target!r} on node {self.settings.node_id}")
         return row["id"]
 
+    async def trajectory_find(self, target: str) -> list[dict[str, Any]]:
+        """Where `target` (a sandbox ID or a trajectory name) lives on this node: [] if nowhere, else one
+        entry {"sandbox_id", "trajectory", "status" (live|closed|lost), "project"} (the gateway asks every
+        node, so a name resolves to the node that holds it whatever the node set was when it was made)."""
+        live = self.sandboxes.get(target)
+        if live is None:
+            live = next((sb for sb in self.sandboxes.values() if sb.spec.trajectory == target), None)
+        if live is not None:
+            row: dict[str, Any] | None = {"id": live.id, "trajectory": live.spec.trajectory, "status": "live",
+                                          "spec": {"labels": live.spec.labels}}  # fmt: skip
+        else:
+            row = self.trajectory.sandbox(target) or self.trajectory.by_trajectory(target)
+        if row is None:
+            return []
+        labels = (row.get("spec") or {}).get("labels") or {}
+        return [{"sandbox_id": row["id"], "trajectory": row["trajectory"], "status": row["status"],
+                 "project": labels.get("shoal.project", ""), "node_id": self.settings.node_id}]  # fmt: skip
+
     async def log_steps(
         self, target: str, since: int = 0, limit: int = 1000, max_bytes: int = 16 << 20
     ) -> dict[str, Any]:

@@ -461,27 +461,16 @@ async def _read_again(sandbox_id: str, seq: int, args: dict[str, Any], kept: dic
 
 
 def _error(exc: BaseException) -> tuple[str, str]:
-    from shoal.errors import ShoalError
+    from shoal.errors import to_wire
 
-    if isinstance(exc, ShoalError | FileNotFoundError | IsADirectoryError | NotADirectoryError | PermissionError):
-        return type(exc).__name__, str(exc)
-    if isinstance(exc, FileExistsError):
-        return type(exc).__name__, str(exc)
-    return "ShoalError", f"{type(exc).__name__}: {exc}"
+    kind, message, _ = to_wire(exc)
+    return kind, message
 
 
 def _replay_outcome(step: Step) -> Any:
     """The logged result of a step, or its logged error raised again."""
-    from shoal.errors import ERROR_TYPES, ShoalError
+    from shoal.errors import from_wire
 
     if step.error_type is None:
         return step.result
-    builtin = {
-        "FileNotFoundError": FileNotFoundError,
-        "IsADirectoryError": IsADirectoryError,
-        "NotADirectoryError": NotADirectoryError,
-        "PermissionError": PermissionError,
-        "FileExistsError": FileExistsError,
-    }
-    cls = ERROR_TYPES.get(step.error_type) or builtin.get(step.error_type) or ShoalError
-    raise cls(step.error)
+    raise from_wire(step.error_type, step.error or "")
