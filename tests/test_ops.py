@@ -164,7 +164,7 @@ ARGS: dict[str, Args] = {
     "log_steps": lambda c, sb, x: {"target": sb},
     "replay": lambda c, sb, x: {"target": sb},
     "vm_snapshot": lambda c, sb, x: {"sandbox_id": sb},
-    "vm_snapshot_delete": lambda c, sb, x: {"snapshot_id": "snap-0000000000000000"},
+    "vm_snapshot_delete": lambda c, sb, x: {"snapshot_id": "snap-000000000000"},
     "fork": lambda c, sb, x: {"sandbox_id": sb},
     "fn_call": lambda c, sb, x: {
         "spec": {"kind": "function", "image": "debian"},
@@ -202,6 +202,8 @@ def _expected(op: ops.Op, transport: str) -> type[Exception] | None:
         return shoal.InvalidRequestError  # "served by a gateway, not by a node"
     if op.access == ops.CLUSTER and transport in ("node-tcp", "gateway"):
         return shoal.AuthenticationError
+    if op.name == "vm_snapshot_delete" and transport in ("node-tcp", "gateway"):
+        return shoal.NotFoundError  # not a snapshot of the project's (on the Unix socket: nothing to delete)
     return RAISES.get(op.name)
 
 

@@ -64,10 +64,11 @@ class Op:
     merge: str | None = None  # FANOUT: how the answers combine
     scoped: bool = False  # takes `labels`: a project's call is restricted to the project's sandboxes
     sandbox_arg: str = "sandbox_id"  # SANDBOX / ANYWHERE: which argument names the sandbox ("req.sandbox_id"...)
+    by_target: bool = False  # its `target` argument is a sandbox ID or a trajectory name (resolved per project)
 
     def sandbox_of(self, args: dict[str, Any]) -> str | None:
         """The sandbox (or, for TARGET, the sandbox ID or trajectory name) a request addresses, or None."""
-        if self.route == TARGET:
+        if self.by_target:
             target = args.get("target")
             return target if isinstance(target, str) else None
         if self.route not in (SANDBOX, ANYWHERE):
@@ -128,14 +129,14 @@ _op("settings_env", FANOUT, {}, dict[str, str],
     retry=True, merge=BY_NODE)
 _op("trajectory_find", FANOUT, {"target": str}, list[JSON],
     "Which sandbox (live or ended) on this node is `target` (a sandbox ID or trajectory name), if any.",
-    retry=True, merge=CONCAT)
+    retry=True, merge=CONCAT, by_target=True)
 
 # ---------------------------------------------------------------- sandboxes
 _op("create", PLACED, {"spec": SandboxSpec}, SandboxInfo,
     "Create a sandbox; with spec.trajectory naming a live trajectory, that sandbox is returned instead.")
 _op("get", SANDBOX, {"sandbox_id": str}, SandboxInfo, "Describe a sandbox.", retry=True)
 _op("attach", TARGET, {"target": str}, SandboxInfo,
-    "A live sandbox by ID or trajectory name; the client re-issues its steps from seq 0.", retry=True)
+    "A live sandbox by ID or trajectory name; the client re-issues its steps from seq 0.", retry=True, by_target=True)
 _op("list", FANOUT, LABELS, list[SandboxInfo], "Live sandboxes (with these labels).",
     retry=True, merge=CONCAT, scoped=True)
 _op("kill", SANDBOX, {"sandbox_id": str, "reason": (str, "closed by the client")}, None,
@@ -180,9 +181,10 @@ _op("sandbox_snapshot", SANDBOX, {"sandbox_id": str, "name": str, "seq": (SEQ, N
 
 # ---------------------------------------------------------------- trajectories
 _op("log_steps", TARGET, {"target": str, "since": (int, 0), "limit": (int, 1000), "max_bytes": (int, 16 << 20)},
-    JSON, "A page of the trajectory log of a sandbox (ID or trajectory name, live or ended).", retry=True)
+    JSON, "A page of the trajectory log of a sandbox (ID or trajectory name, live or ended).", retry=True,
+    by_target=True)
 _op("replay", TARGET, {"target": str, "image": OPT_STR, "keep": (bool, False)}, JSON,
-    "Re-run a recorded trajectory in a fresh sandbox and report each step whose outcome differs.")
+    "Re-run a recorded trajectory in a fresh sandbox and report each step whose outcome differs.", by_target=True)
 
 # ---------------------------------------------------------------- VMs
 _op("vm_snapshot", SANDBOX, {"sandbox_id": str}, str, "Capture a VM's memory and disk; a snapshot ID.")

@@ -107,7 +107,7 @@ class Tenancy:
         if spec.access != ops.PROJECT:
             raise AuthenticationError(f"operation {op!r} needs a cluster (admin) token, not project {project!r}'s")
         sandbox_id = spec.sandbox_of(args)
-        if spec.route == ops.TARGET and sandbox_id is not None:
+        if spec.by_target and sandbox_id is not None:
             args["target"] = sandbox_id = self._target(project, sandbox_id)
         elif sandbox_id is not None and self.owner(sandbox_id) not in (None, project):
             node = self.service.settings.node_id
