@@ -207,6 +207,7 @@ def _expected(op: ops.Op, transport: str) -> type[Exception] | None:
     return RAISES.get(op.name)
 
 
+@pytest.mark.fast
 def test_every_operation_has_arguments_here() -> None:
     assert set(ARGS) == set(ops.OPS)
 
@@ -265,11 +266,13 @@ def test_every_operation_through_every_way_in(
         assert [row["sandbox_id"] for row in result] == [sandbox]
 
 
+@pytest.mark.fast
 def test_every_operation_is_in_the_developers_guide() -> None:
     guide = (Path(__file__).parents[1] / "docs" / "DEVELOPING.md").read_text()
     assert [name for name in ops.OPS if f"| `{name}` |" not in guide] == []
 
 
+@pytest.mark.fast
 def test_the_node_implements_the_table() -> None:
     """Each node operation is a NodeService method with exactly the table's parameters and defaults."""
     for name in ops.NODE_OPS:
@@ -284,6 +287,7 @@ def test_the_node_implements_the_table() -> None:
         assert ("emit" in params) == op.streams, name
 
 
+@pytest.mark.fast
 def test_create_is_typed_like_the_spec() -> None:
     """`create` names every SandboxSpec field as a typed keyword (no **options), in both clients."""
     for create in (shoal.AsyncClient.create, shoal.Client.create):
