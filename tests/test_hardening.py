@@ -224,6 +224,8 @@ def test_agent_memory_and_fds_out_of_reach(client: shoal.Client, victim: shoal.S
 def test_agent_survives_signals_from_inside(client: shoal.Client, victim: shoal.Sandbox) -> None:
     victim.exec("kill -9 1; kill -15 1; kill -STOP 1; kill -9 -1", timeout=10)
     still_serving(client, victim)
+    died = victim.exec("sh -c 'kill -TERM $$; echo survived'")  # the agent ignores signals, commands do not
+    assert died.stdout == "" and died.signal == 15, died
 
 
 def test_node_socket_and_state_unreachable(client: shoal.Client, node, victim: shoal.Sandbox) -> None:  # noqa: ANN001
@@ -308,6 +310,55 @@ def test_gvisor_is_a_kernel_boundary(client: shoal.Client) -> None:
         threads = "import threading; t = threading.Thread(target=print, args=('ok',)); t.start(); t.join()"
         assert sb.exec(["python3", "-c", threads]).stdout == "ok\n"
         assert sb.exec("cat /proc/kcore 2>/dev/null | head -c 16 | wc -c").stdout.strip() == "0"
+
+
+@pytest.fixture(scope="module")
+def gvisor(client: shoal.Client) -> Iterator[shoal.Sandbox]:
+    if shutil.which("runsc") is None:
+        pytest.skip("runsc (gVisor) is not installed on this host")
+    with client.create(image="debian", runtime="runsc", pool=False, disk_mb=64, ttl_s=600) as sb:
+        yield sb
+
+
+@pytest.mark.parametrize("signal", ["TERM", "KILL", "SEGV", "STOP", "HUP", "INT", "USR1", "ABRT"])
+def test_gvisor_agent_survives_signals_to_pid_1(client: shoal.Client, gvisor: shoal.Sandbox, signal: str) -> None:
+    """gVisor does not shield PID 1 from signals sent inside its PID namespace as Linux does: `kill -TERM 1`
+    lost the sandbox (issue 18). The runsc seccomp profile refuses signals to PID 1; the agent ignores the
+    catchable ones besides."""
+    r = gvisor.exec(f"kill -{signal} 1; echo rc=$?", timeout=10)
+    assert "rc=1" in r.stdout and "not permitted" in r.stderr, r
+    still_serving(client, gvisor)
+
+
+def test_gvisor_pid_1_unreachable_by_any_signal_syscall(client: shoal.Client, gvisor: shoal.Sandbox) -> None:
+    out = probe(
+        gvisor,
+        "print(json.dumps({'kill-high-bits': sys(62, (1 << 32) | 1, 9), 'tkill': sys(200, 1, 9),"
+        " 'tgkill': sys(234, 1, 1, 9), 'rt_sigqueueinfo': sys(129, 1, 9, 0), 'rt_tgsigqueueinfo': sys(297, 1, 1, 9, 0),"
+        " 'pidfd_open': sys(434, 1, 0)}))",
+    )  # fmt: skip
+    for name, (result, _errno) in out.items():
+        assert result == -1, (name, out)
+    gvisor.exec("kill -9 -1", timeout=10)  # every process but PID 1 (and the caller's handler with it)
+    still_serving(client, gvisor)
+    died = gvisor.exec("sh -c 'kill -TERM $$; echo survived'")  # commands get default dispositions back
+    assert died.stdout == "" and died.signal == 15, died
+
+
+def test_gvisor_agent_directory_is_sealed(client: shoal.Client, node, gvisor: shoal.Sandbox) -> None:  # noqa: ANN001
+    """The agent's socket directory is the node's (sandboxes/<id>/agent): it was writable from inside, past
+    disk_mb, and links planted there (agent/evil -> /etc/shadow) sat in the node's state directory."""
+    r = gvisor.exec(
+        "touch /.shoal/run/x; ln -s /etc/shadow /.shoal/run/evil; mkdir /.shoal/run/d;"
+        " dd if=/dev/zero of=/.shoal/run/big bs=1M count=8; umount /.shoal/run; umount -l /.shoal/run;"
+        " mount -o remount,rw /.shoal/run; mount -t tmpfs t /tmp; ls -A /.shoal/run; echo done",
+        timeout=30,
+    )
+    assert r.stdout.endswith("done\n") and "agent.sock" not in r.stdout, r
+    assert os.listdir(node.home / "sandboxes" / gvisor.id / "agent") == ["agent.sock"]
+    capabilities = int(gvisor.exec("grep CapBnd /proc/self/status").stdout.split()[1], 16)
+    assert not capabilities & (1 << 21), "commands hold CAP_SYS_ADMIN"
+    still_serving(client, gvisor)
 
 
 def test_commands_inherit_no_agent_fds(victim: shoal.Sandbox) -> None:

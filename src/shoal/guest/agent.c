@@ -26,8 +26,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <linux/random.h>
+#include <linux/capability.h>
 #include <sys/ioctl.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -2004,16 +2007,55 @@ static int listen_on_path(const char *path) {
     return fd;
 }
 
+/* gVisor: our socket lives in a host directory (the node's state) bind-mounted at the socket's directory.
+   Once it is bound, cover that directory with an empty read-only tmpfs (the socket keeps working: it is
+   bound, never looked up again) and give up CAP_SYS_ADMIN, which the node grants only for this: nothing in
+   the sandbox can then write there (past disk_mb), plant links in the node's state, or uncover it. */
+static int seal_listen_dir(const char *path) {
+    char dir[PATH_MAX];
+    snprintf(dir, sizeof(dir), "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (slash == NULL || slash == dir) {
+        fprintf(stderr, "shoal-agent: %s: the socket must be in a directory of its own\n", path);
+        return -1;
+    }
+    *slash = '\0';
+    if (mount("shoal", dir, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0555") < 0) {
+        fprintf(stderr, "shoal-agent: cannot seal %s: %s (the runtime must grant CAP_SYS_ADMIN)\n", dir,
+                strerror(errno));
+        return -1;
+    }
+    struct __user_cap_header_struct head = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct caps[2];
+    memset(caps, 0, sizeof(caps));
+    if (prctl(PR_CAPBSET_DROP, CAP_SYS_ADMIN, 0, 0, 0) < 0 || syscall(SYS_capget, &head, caps) < 0) {
+        fprintf(stderr, "shoal-agent: cannot drop CAP_SYS_ADMIN: %s\n", strerror(errno));
+        return -1;
+    }
+    for (int i = 0; i < 2; i++) {
+        uint32_t keep = i == CAP_TO_INDEX(CAP_SYS_ADMIN) ? ~CAP_TO_MASK(CAP_SYS_ADMIN) : ~0u;
+        caps[i].effective &= keep;
+        caps[i].permitted &= keep;
+        caps[i].inheritable &= keep;
+    }
+    if (syscall(SYS_capset, &head, caps) < 0) {
+        fprintf(stderr, "shoal-agent: cannot drop CAP_SYS_ADMIN: %s\n", strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    int lfd = 3;
+    int lfd = 3, sealed = 0;
     const char *serial = NULL;
     if (argc == 3 && strcmp(argv[1], "--fd") == 0) {
         lfd = atoi(argv[2]);
     } else if (argc == 3 && strcmp(argv[1], "--listen") == 0) {
         /* Runtimes that cannot hand us a socket (gVisor) share a directory with the node instead. */
         lfd = listen_on_path(argv[2]);
-        if (lfd < 0)
+        if (lfd < 0 || seal_listen_dir(argv[2]) < 0)
             return 1;
+        sealed = 1;
     } else if (argc == 3 && strcmp(argv[1], "--serial") == 0) {
         serial = argv[2];
     } else if (argc == 2 && strcmp(argv[1], "--version") == 0) {
@@ -2045,9 +2087,18 @@ int main(int argc, char **argv) {
     sa.sa_handler = main_sigchld;
     sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
     sigaction(SIGCHLD, &sa, NULL);
-    if (getpid() != 1) {
-        /* As PID 1 the kernel shields us from signals we have no handler for: keep it that way so a
-           sandbox cannot kill its own agent. Outside a PID namespace (tests), exit on SIGTERM/SIGINT. */
+    if (getpid() == 1 && sealed) {
+        /* As PID 1 the kernel shields us from signals we have no handler for, sent inside the sandbox;
+           gVisor (the --listen case) does not, so ignore every catchable one there (KILL and STOP to PID 1
+           are refused by the runsc seccomp profile). Commands get default dispositions back (exec_child). */
+        sa.sa_handler = SIG_IGN;
+        sa.sa_flags = 0;
+        for (int s = 1; s < NSIG; s++) {
+            if (s != SIGKILL && s != SIGSTOP && s != SIGCHLD)
+                sigaction(s, &sa, NULL);
+        }
+    } else if (getpid() != 1) {
+        /* Outside a PID namespace (tests), exit on SIGTERM/SIGINT. */
         sa.sa_handler = main_sigterm;
         sa.sa_flags = 0;
         sigaction(SIGTERM, &sa, NULL);

@@ -6,7 +6,7 @@ import resource
 from typing import Any
 
 from shoal.substrates.container import userns
-from shoal.substrates.container.seccomp import seccomp_profile
+from shoal.substrates.container.seccomp import gvisor_profile, seccomp_profile
 
 # The capabilities a sandbox keeps: enough for package managers and servers, nothing that reaches the
 # host (no SYS_ADMIN, NET_ADMIN, SYS_PTRACE, SYS_MODULE, MKNOD, NET_RAW ...).
@@ -79,9 +79,11 @@ def bundle_config(
     """config.json for a sandbox whose PID 1 is the shoal agent.
 
     The agent listens on inherited fd 3; or, with `agent_dir` (for runtimes that cannot pass a socket,
-    i.e. gVisor), on a socket it creates in that host directory, mounted at /.shoal/run.
+    i.e. gVisor), on a socket it creates in that host directory, mounted at /.shoal/run. It then covers
+    that directory with an empty read-only tmpfs and drops CAP_SYS_ADMIN, which it holds only for that
+    (so nothing in the sandbox can write into the node's state directory, past disk_mb, or plant links).
     """
-    caps = list(CAPABILITIES)
+    caps = list(CAPABILITIES) + (["CAP_SYS_ADMIN"] if agent_dir else [])
     nofile = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
     resources: dict[str, Any] = {"devices": [{"allow": False, "access": "rwm"}]}
     if memory_mb is not None:
@@ -156,6 +158,6 @@ def bundle_config(
             **linux,
             "maskedPaths": MASKED_PATHS,
             "readonlyPaths": READONLY_PATHS,
-            "seccomp": seccomp_profile(),
+            "seccomp": gvisor_profile() if agent_dir else seccomp_profile(),
         },
     }

@@ -40,8 +40,9 @@ class OciRuntime:
     def _base(self) -> list[str]:
         if self.name == "runsc":  # ptrace: gVisor's KVM platform needs real VMX/SVM (doctor says which)
             platform = settings.RUNSC_PLATFORM.get()
+            # --oci-seccomp: the bundle's profile for runsc is oci.py's gvisor_profile (PID 1 unsignalable)
             return [self.binary, "--root", str(self.state_root), "--platform", platform, "--network", "none",
-                    "--host-uds", "create"]  # fmt: skip
+                    "--host-uds", "create", "--oci-seccomp"]  # fmt: skip
         return [self.binary, "--root", str(self.state_root)]
 
     async def run_detached(self, container_id: str, bundle: Path, listen_fd: int | None, log: Path) -> None:

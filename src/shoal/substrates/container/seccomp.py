@@ -57,3 +57,24 @@ def seccomp_profile() -> dict[str, Any]:
         "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
         "syscalls": rules,
     }
+
+
+SIGNAL_SYSCALLS = ["kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open"]
+
+
+@cache
+def gvisor_profile() -> dict[str, Any]:
+    """runsc's profile (applied by gVisor with --oci-seccomp): only what gVisor itself does not cover.
+
+    Linux shields a PID namespace's init from signals sent inside it unless it handles them; gVisor does
+    not, so `kill -KILL 1` (or TERM, SEGV...) from a command took the agent and the sandbox with it. Every
+    syscall that names a process by number is refused for PID 1 (the low 32 bits: the kernel reads a pid
+    as an int); the agent ignores catchable signals too. The rest of `seccomp_profile` is not applied:
+    there gVisor's own kernel is the boundary (and this gVisor ignores errnoRet, so clone3 would get EPERM).
+    """
+    pid1 = {"index": 0, "value": 0xFFFFFFFF, "valueTwo": 1, "op": "SCMP_CMP_MASKED_EQ"}
+    return {
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "architectures": ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"],
+        "syscalls": [{"names": SIGNAL_SYSCALLS, "args": [pid1], "action": "SCMP_ACT_ERRNO", "errnoRet": EPERM}],
+    }
