@@ -13,7 +13,7 @@ from shoal.errors import InvalidRequestError
 from shoal.node import network
 from shoal.protocol import SandboxSpec
 from shoal.substrates.container import oci
-from shoal.substrates.container.seccomp import DENIED_SYSCALLS, seccomp_profile
+from shoal.substrates.container.seccomp import DENIED_SYSCALLS, gvisor_profile, seccomp_profile
 from shoal.substrates.qemu.machine import Machine, MachineConfig
 
 pytestmark = pytest.mark.fast
@@ -62,6 +62,16 @@ def test_bundle_for_runtimes_that_cannot_pass_a_socket() -> None:
     destinations = {m["destination"]: m for m in config["mounts"]}
     assert destinations[oci.AGENT_RUN_DIR]["source"] == "/run/x"
     assert destinations["/etc/resolv.conf"]["options"] == ["bind", "ro"]
+    # the agent seals that directory itself (then drops CAP_SYS_ADMIN); gVisor needs PID 1 guarded
+    assert "CAP_SYS_ADMIN" in config["process"]["capabilities"]["bounding"]
+    assert "CAP_SYS_ADMIN" not in _bundle()["process"]["capabilities"]["bounding"]
+    assert config["linux"]["seccomp"] == gvisor_profile()
+
+
+def test_gvisor_profile_guards_pid_1_only() -> None:
+    (rule,) = gvisor_profile()["syscalls"]
+    assert {"kill", "tkill", "tgkill", "pidfd_open"} <= set(rule["names"]) and rule["action"] == "SCMP_ACT_ERRNO"
+    assert rule["args"] == [{"index": 0, "value": 0xFFFFFFFF, "valueTwo": 1, "op": "SCMP_CMP_MASKED_EQ"}]
 
 
 def test_cpu_shares_are_bounded() -> None:
