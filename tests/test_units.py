@@ -215,3 +215,33 @@ def test_pool_key_ignores_late_bound_fields() -> None:
     a = SandboxSpec(image="debian", env={"A": "1"}, labels={"x": "y"}, ttl_s=5)
     b = SandboxSpec(image="debian", workdir="/tmp", trajectory="t")
     assert a.pool_key() == b.pool_key() != SandboxSpec(image="debian", memory_mb=64).pool_key()
+
+
+# ---------------------------------------------------------------- substrate contract
+
+
+def test_every_kind_declares_capabilities_and_one_create() -> None:
+    import inspect
+
+    from shoal.substrates.base import Substrate
+    from shoal.substrates.container import ContainerSubstrate
+    from shoal.substrates.microvm import MicrovmSubstrate
+    from shoal.substrates.vm import VmSubstrate
+
+    base = inspect.signature(Substrate.create).parameters
+    for cls in (ContainerSubstrate, MicrovmSubstrate, VmSubstrate):
+        assert list(inspect.signature(cls.create).parameters) == list(base), cls  # restore is a parameter
+        assert cls.capabilities.pause, cls
+    assert ContainerSubstrate.capabilities.names() == ["pause", "image_commit", "disk_cap", "readopt"]
+    for vm in (MicrovmSubstrate, VmSubstrate):
+        assert vm.capabilities.memory_snapshots and not vm.capabilities.readopt and not vm.capabilities.image_commit
+
+
+async def test_a_container_refuses_a_memory_snapshot_before_touching_anything(tmp_path: Path) -> None:
+    from shoal.substrates.container import ContainerSubstrate
+
+    substrate = object.__new__(ContainerSubstrate)  # no agent binary needed: the check comes first
+    substrate.sandboxes_dir = tmp_path / "sandboxes"
+    with pytest.raises(InvalidRequestError, match="container sandboxes have no memory snapshots.*microvm/vm"):
+        await substrate.create("x-1", SandboxSpec(), None, snapshot="snap-000000000000")  # type: ignore[arg-type]
+    assert not (tmp_path / "sandboxes").exists()

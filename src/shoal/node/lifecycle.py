@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shoal import cgroups
+from shoal.errors import UnsupportedKindError
 from shoal.node.sandbox import Sandbox, State
 
 if TYPE_CHECKING:
@@ -75,11 +76,14 @@ class Lifecycle:
         async with self._lock(sandbox.id):
             if sandbox.state is State.PAUSED:
                 return {"id": sandbox.id, "state": "paused", "reclaimed_bytes": 0, "seconds": 0.0}
+            substrate = self.service.substrates[sandbox.spec.kind]
+            if not substrate.capabilities.pause:
+                raise UnsupportedKindError(f"{sandbox.spec.kind} sandboxes cannot be paused; close it or set a ttl_s")
             start = time.monotonic()
             before = memory_usage(sandbox.instance.cgroup_path)
             sandbox.state = State.PAUSED  # first: a request the pause cuts off (a VM's) must not mark it lost
             try:
-                await self.service.substrates[sandbox.spec.kind].pause(sandbox.instance)
+                await substrate.pause(sandbox.instance)
             except BaseException:
                 sandbox.state = State.READY
                 raise

@@ -59,7 +59,6 @@ from shoal.protocol import (
 from shoal.settings import QEMU
 from shoal.substrates import Substrate
 from shoal.substrates.container import ContainerSubstrate
-from shoal.substrates.qemu.substrate import QemuSubstrate
 
 log = logging.getLogger("shoal.node")
 
@@ -133,7 +132,7 @@ class NodeService:
         self.trajectory.close()
         await asyncio.to_thread(self.node_images.mounts.release_all)
         await self.network.cleanup_all()
-        for substrate in self._vm_substrates():
+        for substrate in self._snapshotting_substrates():
             substrate.delete_all_snapshots()
         for parent in cgroups.sandbox_dirs(f"/{self.settings.cgroup_parent}"):
             with contextlib.suppress(OSError):  # still holds a sandbox's cgroup: keep it
@@ -160,7 +159,7 @@ class NodeService:
         await self._settle()
         self.trajectory.close()
         await self.network.cleanup_all()
-        for substrate in self._vm_substrates():
+        for substrate in self._snapshotting_substrates():
             substrate.delete_all_snapshots()
         return kept
 
@@ -179,8 +178,9 @@ class NodeService:
         for directory in sorted(self.paths.sandboxes.iterdir()) if self.paths.sandboxes.exists() else []:
             if directory.is_dir() and directory.name not in self.sandboxes:
                 try:
-                    if isinstance(self._substrate_of(directory), QemuSubstrate):  # its bridge died with the node
-                        raise recovery.NotAdoptable("VM sandboxes are not re-adopted yet")
+                    substrate = self._substrate_of(directory)
+                    if not substrate.capabilities.readopt:  # e.g. a VM: its agent bridge died with the node
+                        raise recovery.NotAdoptable(f"{substrate.kind} sandboxes are not re-adopted yet")
                     sandbox = await recovery.adopt(directory, self.node_images)
                 except recovery.NotAdoptable as exc:
                     reason = f"lost: {NODE_RESTARTED}, and could not re-adopt it: {exc}"
@@ -207,7 +207,7 @@ class NodeService:
                     await asyncio.to_thread(cgroups.remove, f"/{self.settings.cgroup_parent}/{child.name}")
         if self.adopted:
             log.info("re-adopted %d sandboxes of an earlier node: %s", len(self.adopted), self.adopted)
-        for substrate in self._vm_substrates():
+        for substrate in self._snapshotting_substrates():
             await asyncio.to_thread(substrate.reconcile)
         if removed:
             log.info("removed %d sandboxes of an earlier node that could not be adopted: %s", len(removed), removed)
@@ -221,8 +221,8 @@ class NodeService:
             kind = "container"
         return self.substrates.get(kind) or self.substrates["container"]
 
-    def _vm_substrates(self) -> list[QemuSubstrate]:
-        return [s for s in self.substrates.values() if isinstance(s, QemuSubstrate)]
+    def _snapshotting_substrates(self) -> list[Substrate]:
+        return [s for s in self.substrates.values() if s.capabilities.memory_snapshots]
 
     # ---------------------------------------------------------------- sandboxes
 
@@ -350,8 +350,11 @@ class NodeService:
             raise InvalidRequestError(f"on_timeout={spec.on_timeout!r}: choose one of {', '.join(ON_TIMEOUT)}")
         if spec.snapshot is not None:
             substrate = self.substrates[spec.kind]
-            if not isinstance(substrate, QemuSubstrate):
-                raise InvalidRequestError(f"snapshot= restores microvm/vm snapshots; kind {spec.kind!r} has none")
+            if not substrate.capabilities.memory_snapshots:
+                raise InvalidRequestError(
+                    f"snapshot= restores memory snapshots; {spec.kind} sandboxes have none "
+                    f"(kinds with them: {', '.join(self._kinds_with('memory_snapshots'))})"
+                )
             meta = substrate.snapshot_meta(spec.snapshot)
             if meta["kind"] != spec.kind:
                 raise InvalidRequestError(f"snapshot {spec.snapshot} is of a {meta['kind']}, not a {spec.kind}")
@@ -376,7 +379,6 @@ class NodeService:
         """Cold-create a sandbox with no late-bound fields applied."""
         substrate = self.substrates[spec.kind]
         if spec.snapshot is not None:
-            assert isinstance(substrate, QemuSubstrate)
             spec = msgspec.structs.replace(spec, image=substrate.snapshot_meta(spec.snapshot)["image"])
             image = None
         if image is None:
@@ -386,10 +388,7 @@ class NodeService:
         try:
             image = await self.node_images.acquire(image)
             try:
-                if isinstance(substrate, QemuSubstrate):
-                    instance = await substrate.create(sandbox_id, spec, image, snapshot=spec.snapshot)
-                else:
-                    instance = await substrate.create(sandbox_id, spec, image)
+                instance = await substrate.create(sandbox_id, spec, image, snapshot=spec.snapshot)
                 agent = AgentClient(str(instance.agent_socket))
                 try:
                     await asyncio.wait_for(agent.hello(), 10)
@@ -615,9 +614,9 @@ class NodeService:
         reason = f"its agent stopped answering ({exc.__class__.__name__}: {exc})"
         if cgroups.oom_kills(sandbox.instance.cgroup_path):
             reason += "; the kernel's OOM killer fired in it: raise memory_mb"
-        substrate = self.substrates[sandbox.spec.kind]
-        if isinstance(substrate, QemuSubstrate):
-            reason += f"; {substrate.console_tail(sandbox.instance)}"
+        detail = self.substrates[sandbox.spec.kind].loss_detail(sandbox.instance)
+        if detail:
+            reason += f"; {detail}"
         sandbox.state = State.LOST
         sandbox.lost_reason = reason
         self.lifecycle.forget(sandbox.id)
@@ -916,11 +915,22 @@ class NodeService:
         await self.lifecycle.awake(sandbox)
         return sandbox
 
-    def _snapshotter(self, sandbox: Sandbox) -> QemuSubstrate:
+    def _snapshotter(self, sandbox: Sandbox) -> Substrate:
         substrate = self.substrates[sandbox.spec.kind]
-        if not isinstance(substrate, QemuSubstrate):
-            raise InvalidRequestError(f"{sandbox.spec.kind} sandboxes have no memory snapshots; use microvm or vm")
+        if not substrate.capabilities.memory_snapshots:
+            raise InvalidRequestError(
+                f"{sandbox.spec.kind} sandboxes have no memory snapshots; use "
+                f"{' or '.join(self._kinds_with('memory_snapshots'))}"
+                + (
+                    " (sb.snapshot(name) commits a container's files as an image)"
+                    if substrate.capabilities.image_commit
+                    else ""
+                )
+            )
         return substrate
+
+    def _kinds_with(self, capability: str) -> list[str]:
+        return [kind for kind, s in self.substrates.items() if getattr(s.capabilities, capability)] or ["none here"]
 
     async def vm_snapshot(self, sandbox_id: str) -> str:
         """Capture memory and disk of a running VM; `create(kind, snapshot=id)` restores it."""
@@ -930,7 +940,7 @@ class NodeService:
             return await substrate.snapshot(sandbox.instance, sandbox.spec.image)
 
     async def vm_snapshot_delete(self, snapshot_id: str) -> None:
-        for substrate in self._vm_substrates():
+        for substrate in self._snapshotting_substrates():
             substrate.delete_snapshot(snapshot_id)
 
     async def fork(self, sandbox_id: str, count: int = 1) -> list[Any]:
@@ -1058,7 +1068,7 @@ class NodeService:
     async def sandbox_snapshot(self, sandbox_id: str, name: str, seq: int | None = None) -> dict[str, Any]:
         """Commit the sandbox's writes as a new image `name` (its image plus one layer); a logged step."""
         sandbox = self._get(sandbox_id)
-        if isinstance(self.substrates[sandbox.spec.kind], QemuSubstrate):
+        if not self.substrates[sandbox.spec.kind].capabilities.image_commit:
             raise InvalidRequestError(
                 f"image commits are for containers; a {sandbox.spec.kind} snapshot (memory + disk) is made with "
                 "sb.snapshot() and restored with create(kind, snapshot=id)"

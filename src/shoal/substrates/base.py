@@ -1,4 +1,9 @@
-"""The interface every substrate implements."""
+"""The interface every substrate implements: the written contract between the node and a kind.
+
+The node knows a kind only through this: `create` (a cold create, or a restore when `snapshot` is given),
+`destroy`, `destroy_orphan`, and what `capabilities` says the kind can do beyond that. The node asks the
+capabilities, never the class, so a new kind is one subclass and an entry in the node's table.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,20 @@ from typing import Any, ClassVar
 
 from shoal.images import Image
 from shoal.protocol import SandboxSpec
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a kind can do beyond create and destroy. Each flag gates the node's operations of that name."""
+
+    pause: bool = False  # pause/resume (and on_timeout="pause")
+    memory_snapshots: bool = False  # snapshot memory + disk; create(snapshot=id) restores it; fork copies it
+    image_commit: bool = False  # sb.snapshot(name): commit the sandbox's writes as an image layer
+    disk_cap: bool = False  # disk_mb is enforced
+    readopt: bool = False  # a restarted node re-adopts its live sandboxes (else they are reported lost)
+
+    def names(self) -> list[str]:
+        return [name for name, on in self.__dict__.items() if on]
 
 
 @dataclass
@@ -27,10 +46,12 @@ class Substrate(ABC):
     """Makes and destroys sandboxes of one kind. Policy (timeouts, pools, limits) lives in the node."""
 
     kind: ClassVar[str]
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     @abstractmethod
-    async def create(self, sandbox_id: str, spec: SandboxSpec, image: Image) -> Instance:
-        """Start a sandbox whose agent answers on `Instance.agent_socket`; clean up fully on failure."""
+    async def create(self, sandbox_id: str, spec: SandboxSpec, image: Image, snapshot: str | None = None) -> Instance:
+        """Start a sandbox whose agent answers on `Instance.agent_socket`; clean up fully on failure.
+        With `snapshot` (only if `capabilities.memory_snapshots`), restore that snapshot instead of booting."""
 
     @abstractmethod
     async def destroy(self, instance: Instance) -> None:
@@ -45,3 +66,26 @@ class Substrate(ABC):
 
     async def resume(self, instance: Instance) -> None:
         raise NotImplementedError(f"{self.kind} sandboxes cannot be resumed yet")
+
+    # memory_snapshots
+    async def snapshot(self, instance: Instance, image_name: str) -> str:
+        raise NotImplementedError(f"{self.kind} sandboxes have no memory snapshots")
+
+    def snapshot_meta(self, snap_id: str) -> dict[str, Any]:
+        raise NotImplementedError(f"{self.kind} sandboxes have no memory snapshots")
+
+    def delete_snapshot(self, snap_id: str) -> None:
+        """Remove snapshot `snap_id` if this kind holds it (no-op otherwise)."""
+        return None
+
+    def delete_all_snapshots(self) -> None:
+        """Remove every snapshot this kind holds (node shutdown)."""
+        return None
+
+    def reconcile(self) -> None:
+        """After a restart: remove whatever this kind left behind outside sandbox directories."""
+        return None
+
+    def loss_detail(self, instance: Instance) -> str:
+        """What to add when a sandbox's agent stopped answering (e.g. a VM's console tail); empty if nothing."""
+        return ""

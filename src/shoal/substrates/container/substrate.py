@@ -20,11 +20,11 @@ from pathlib import Path
 
 from shoal import cgroups, linux, settings
 from shoal.config import node_tag
-from shoal.errors import SandboxLostError
+from shoal.errors import InvalidRequestError, SandboxLostError
 from shoal.guest import agent_binary_path
 from shoal.images import Image
 from shoal.protocol import SandboxSpec
-from shoal.substrates.base import Instance, Substrate
+from shoal.substrates.base import Capabilities, Instance, Substrate
 from shoal.substrates.container import disk, userns
 from shoal.substrates.container.oci import bundle_config
 from shoal.substrates.container.runtime import OciRuntime
@@ -32,6 +32,7 @@ from shoal.substrates.container.runtime import OciRuntime
 
 class ContainerSubstrate(Substrate):
     kind = "container"
+    capabilities = Capabilities(pause=True, image_commit=True, disk_cap=True, readopt=True)
 
     def __init__(self, sandboxes_dir: Path, runtime_root: Path, cgroup_parent: str = "shoal") -> None:
         self.sandboxes_dir = sandboxes_dir
@@ -47,7 +48,12 @@ class ContainerSubstrate(Substrate):
             self._runtimes[name] = OciRuntime.find(name, self.runtime_root)
         return self._runtimes[name]
 
-    async def create(self, sandbox_id: str, spec: SandboxSpec, image: Image) -> Instance:
+    async def create(self, sandbox_id: str, spec: SandboxSpec, image: Image, snapshot: str | None = None) -> Instance:
+        if snapshot is not None:
+            raise InvalidRequestError(
+                f"snapshot={snapshot!r}: container sandboxes have no memory snapshots; commit an image with "
+                "sb.snapshot(name) and create from it, or use kind microvm/vm"
+            )
         runtime = self.runtime(spec.runtime)
         directory = self.sandboxes_dir / sandbox_id
         agent_dir = None if runtime.passes_fds else directory / "agent"

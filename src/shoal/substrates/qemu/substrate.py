@@ -36,7 +36,7 @@ from shoal.errors import ImageError, InvalidRequestError, NotFoundError, Sandbox
 from shoal.guest import AgentClient
 from shoal.images import Image
 from shoal.protocol import SandboxSpec
-from shoal.substrates.base import Instance, Substrate
+from shoal.substrates.base import Capabilities, Instance, Substrate
 from shoal.substrates.qemu import accel as accel_mod
 from shoal.substrates.qemu.bridge import AgentBridge
 from shoal.substrates.qemu.disk import base_disk, file_part, overlay
@@ -67,6 +67,8 @@ class Running:
 class QemuSubstrate(Substrate):
     """Shared machinery; subclasses choose the machine type, kernel command line and base disk."""
 
+    # No disk cap (disk_mb) yet; no re-adoption: the agent bridge dies with the node process.
+    capabilities = Capabilities(pause=True, memory_snapshots=True)
     machine_type = "q35"
     default_memory_mb = 256
     boot_mode = "microvm"
@@ -341,7 +343,8 @@ class QemuSubstrate(Substrate):
             _remove_dir(build)
         self.delete_all_snapshots()
 
-    def console_tail(self, instance: Instance) -> str:
+    def loss_detail(self, instance: Instance) -> str:
+        """The console's tail: a guest kernel panic or an agent crash shows there."""
         running = self._running.get(instance.id)
         return running.machine.log_tail() if running and running.machine else ""
 
