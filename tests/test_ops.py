@@ -10,6 +10,7 @@ another gateway with the same trajectory name and gets its sandbox and its logge
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import inspect
@@ -32,9 +33,12 @@ from conftest import no_leftovers
 import shoal
 from shoal import ops
 from shoal.client.functions import _payload
+from shoal.cluster.auth import CLUSTER_ROLE, Tokens
+from shoal.cluster.gateway import Gateway
 from shoal.cluster.local import LocalCluster
 from shoal.node.service import NodeService
 from shoal.protocol import SandboxSpec
+from shoal.tasks import TaskOwner
 
 TRANSPORTS = ("unix", "node-tcp", "gateway", "gateway-admin")
 PROJECT = "p1"
@@ -442,3 +446,35 @@ def test_two_trainers_racing_through_two_gateways_get_one_sandbox(cluster: Local
     with shoal.Client(f"shoal://{cluster.gateways[0].address}", token=token) as client:
         for sandbox_id in ids:
             client.kill(sandbox_id)
+
+
+# ---------------------------------------------------------------- background tasks have an owner
+
+
+@pytest.mark.fast
+async def test_a_task_owner_logs_failures_and_leaves_nothing_running(caplog: pytest.LogCaptureFixture) -> None:
+    owner = TaskOwner("test owner")
+
+    async def fail() -> None:
+        raise RuntimeError("boom")
+
+    forever = owner.spawn(asyncio.Event().wait(), "forever")
+    failing = owner.spawn(fail(), "fail")
+    await asyncio.wait({failing})
+    await asyncio.sleep(0)  # the done callback runs
+    assert "test owner: fail" in caplog.text and "boom" in caplog.text
+    assert len(owner) == 1
+    await owner.close()
+    assert forever is not None and forever.cancelled() and len(owner) == 0
+    assert owner.spawn(asyncio.sleep(0), "late") is None  # closed: nothing starts
+
+
+@pytest.mark.fast
+async def test_a_closed_gateway_leaves_no_task_behind() -> None:
+    gateway = Gateway(Tokens({"tokens": {"t": CLUSTER_ROLE}}), poll_interval=0.05)
+    gateway.set_nodes({"n1": "127.0.0.1:1", "n2": "127.0.0.1:1"})  # nothing listens: pollers keep trying
+    await asyncio.sleep(0.2)
+    assert len(gateway.tasks) == 2
+    await gateway.close()
+    assert len(gateway.tasks) == 0
+    assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("gateway gw:")]

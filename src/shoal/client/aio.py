@@ -30,6 +30,7 @@ from shoal.errors import (
 from shoal.errors import from_wire as wire_error
 from shoal.protocol import OutputChunk, SandboxSpec
 from shoal.steps import describe, divergence_message, is_bulk, step_key
+from shoal.tasks import TaskOwner
 
 DEFAULT_TIMEOUT = 60.0
 FF_PAGE = 512  # log entries fetched per round trip while fast-forwarding
@@ -96,6 +97,7 @@ class AsyncClient:
         self._next = 0
         self._conn: Connection | None = None
         self._connecting = asyncio.Lock()
+        self._tasks = TaskOwner("shoal client")  # releases of sandboxes whose create was cancelled
 
     async def connect(self) -> AsyncClient:
         """Open the connection (starting the local node first if need be and `autostart` allows)."""
@@ -154,7 +156,9 @@ class AsyncClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close the connection. Sandboxes live on in the node until closed, killed or expired."""
+        """Close the connection. Sandboxes live on in the node until closed, killed or expired (those whose
+        create was cancelled are released first, given up to 5 s)."""
+        await self._tasks.wait(5.0)
         if self._conn is not None:
             await self._conn.close()
             self._conn = None
@@ -271,7 +275,7 @@ class AsyncClient:
         spec = _spec(kind, image, options)
 
         def release(info: Any) -> None:  # the caller was cancelled after the node made it
-            asyncio.ensure_future(self._kill_quietly(info["id"]))
+            self._tasks.spawn(self._kill_quietly(info["id"]), f"release orphan {info['id']}")
 
         info = await self.call("create", {"spec": spec}, on_orphan=release)
         return AsyncSandbox(self, protocol.convert(info, SandboxInfo), seq=0)

@@ -45,6 +45,7 @@ from shoal.errors import (
 )
 from shoal.netguard import ConnectionGuard, serve_tcp
 from shoal.protocol import Request, Response, combine_status, merge_image_lists
+from shoal.tasks import TaskOwner
 
 log = logging.getLogger("shoal.gateway")
 
@@ -84,6 +85,7 @@ class Gateway:
         self.nodes: dict[str, NodeView] = {}
         self.gone: dict[str, str] = {}
         self.conns: dict[str, Connection] = {}
+        self.tasks = TaskOwner(f"gateway {name}")  # every background task of the gateway ends with it
         self._pollers: dict[str, asyncio.Task] = {}
         self._changed = asyncio.Event()
         self.rng = random.Random()
@@ -115,7 +117,9 @@ class Gateway:
                 self._forget(node_id, "it moved to a new address")
             self.gone.pop(node_id, None)
             self.nodes[node_id] = NodeView(node_id=node_id, host=host, port=int(port), since=time.time())
-            self._pollers[node_id] = asyncio.create_task(self._poll(node_id))
+            poller = self.tasks.spawn(self._poll(node_id), f"poll {node_id}")
+            if poller is not None:
+                self._pollers[node_id] = poller
 
     async def discover(self, name: str, port: int, interval: float = 5.0) -> None:
         """Keep the membership equal to the nodes behind a DNS name (e.g. a Kubernetes headless Service):
@@ -149,7 +153,7 @@ class Gateway:
             task.cancel()
         conn = self.conns.pop(node_id, None)
         if conn is not None:
-            asyncio.ensure_future(conn.close())
+            self.tasks.spawn(conn.close(), f"close the connection to {node_id}")
 
     def _mark(self, view: NodeView, healthy: bool, reason: str = "") -> None:
         if view.healthy != healthy:
@@ -546,7 +550,7 @@ class Gateway:
             conn = await self._conn(view)
 
             def orphan(info: Any) -> None:  # our caller went away after the node made it: release it
-                asyncio.ensure_future(self._kill_quietly(conn, info["id"], project))
+                self.tasks.spawn(self._kill_quietly(conn, info["id"], project), f"release orphan {info['id']}")
 
             info = await conn.call("create", {"spec": spec, "_project": project}, on_orphan=orphan)
         except CapacityError:
@@ -650,9 +654,9 @@ class Gateway:
             self.errors.inc(op, error)
 
     async def close(self) -> None:
-        for task in self._pollers.values():
-            task.cancel()
-        await asyncio.gather(*self._pollers.values(), return_exceptions=True)
+        """Stop every background task (pollers, discovery, releases of orphans), then the node connections."""
+        await self.tasks.close()
+        self._pollers.clear()
         for conn in list(self.conns.values()):
             await conn.close()
         self.conns.clear()
@@ -710,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         gateway.set_nodes(nodes)
         if args.discover:
             name, _, port = args.discover.rpartition(":")
-            asyncio.ensure_future(gateway.discover(name, int(port), args.discover_interval))
+            gateway.tasks.spawn(gateway.discover(name, int(port), args.discover_interval), "discovery")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -723,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
                     await asyncio.sleep(0.5)
                 stop.set()
 
-            asyncio.ensure_future(watch())
+            gateway.tasks.spawn(watch(), "watch the supervisor")
         await serve(gateway, args.listen, args.http, args.addr_file, stop)
 
     asyncio.run(run())
