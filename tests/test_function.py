@@ -46,6 +46,35 @@ def fn(client: shoal.Client):  # noqa: ANN201
 # ---------------------------------------------------------------- the sandbox-shaped handle
 
 
+def test_what_a_function_sandbox_cannot_do_says_so_and_names_the_alternative(client: shoal.Client) -> None:
+    """Operations that need a long-lived process or a step log raise an InvalidRequestError (UnsupportedKindError
+    for most) naming the kind and what to use instead, rather than 'no sandbox'; trajectory= is refused at
+    create, not silently ignored."""
+    with pytest.raises(
+        shoal.InvalidRequestError, match="trajectory='t1': function sandboxes keep no step log.*container"
+    ):
+        client.create("function", image="debian", trajectory="t1")
+    with client.create("function", image="debian") as sandbox:
+        cannot = {
+            "pause": sandbox.pause,
+            "resume": sandbox.resume,
+            "snapshot": lambda: sandbox.snapshot("fn-image"),
+            "fork": lambda: sandbox.fork(2),
+            "set_network": lambda: sandbox.set_network("pypi"),
+            "attach": lambda: client.attach(sandbox.id),
+            "log": lambda: client.log(sandbox.id),
+        }
+        for call in cannot.values():  # on failure, pytest's traceback shows which (its key in `cannot`)
+            with pytest.raises(
+                shoal.UnsupportedKindError, match=f"{sandbox.id} is a function sandbox.*kind='container'"
+            ):
+                call()
+        with pytest.raises(shoal.InvalidRequestError, match="function sandboxes keep no state.*use a container"):
+            sandbox.shell()
+        assert sandbox.exec("echo still here").stdout == "still here\n"  # the refusals changed nothing
+        sandbox.keepalive(60)
+
+
 def test_exec_like_a_container(fn: shoal.Sandbox) -> None:
     r = fn.exec("echo hi && echo oops >&2 && exit 3")
     assert (r.exit_code, r.stdout, r.stderr) == (3, "hi\n", "oops\n")

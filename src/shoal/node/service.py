@@ -64,6 +64,12 @@ log = logging.getLogger("shoal.node")
 
 Emit = Callable[[Any], Awaitable[None]]
 MIN_MEMORY_MB = 8
+# A function sandbox has no process of its own between calls: what needs one says so, and names what works.
+FUNCTION_OPS = (
+    "sandbox {sandbox_id} is a function sandbox: it has no long-lived process, so it cannot be paused, "
+    "snapshotted, forked, given a shell or a network policy, and keeps no step log (attach, log, replay); "
+    "it supports exec, files, keepalive, get and kill. Use kind='container' (or microvm/vm) for the rest"
+)
 MIN_DISK_MB = 4
 KILL_GRACE_S = 2.0
 NODE_RESTARTED = "its node process died (its sandboxes with it) and was restarted"
@@ -240,6 +246,12 @@ class NodeService:
         self._validate(spec)
         spec = self._with_default_caps(spec)
         if spec.kind == "function":
+            if spec.trajectory is not None:
+                raise InvalidRequestError(
+                    f"trajectory={spec.trajectory!r}: function sandboxes keep no step log (each call runs in a fresh "
+                    "child and leaves nothing behind, so there is nothing to fast-forward or replay); use "
+                    "kind='container' (or microvm/vm) for a trajectory"
+                )
             return await self.functions.create(spec)
         if spec.trajectory:
             existing = self._find_trajectory(spec.trajectory)
@@ -497,6 +509,8 @@ class NodeService:
                 raise SandboxLostError(f"sandbox {sandbox_id} is {reason}")
             if reason is not None:
                 raise SandboxClosedError(f"sandbox {sandbox_id} is closed ({reason})")
+            if self.functions.owns(sandbox_id):
+                raise UnsupportedKindError(FUNCTION_OPS.format(sandbox_id=sandbox_id))
             raise SandboxNotFoundError(f"no sandbox {sandbox_id} on node {self.settings.node_id}")
         if sandbox.state is State.LOST:
             raise SandboxLostError(f"sandbox {sandbox_id} is lost: {sandbox.lost_reason}")
@@ -1114,6 +1128,8 @@ class NodeService:
         """A sandbox ID (live or ended) or a trajectory name, resolved to the sandbox ID whose log it is."""
         if target in self.sandboxes or self.trajectory.sandbox(target) is not None:
             return target
+        if self.functions.owns(target):
+            raise UnsupportedKindError(FUNCTION_OPS.format(sandbox_id=target))
         row = self.trajectory.by_trajectory(target)
         if row is None:
             raise SandboxNotFoundError(f"no trajectory log for {target!r} on node {self.settings.node_id}")
