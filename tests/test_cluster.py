@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import resource
 import signal
 import socket
@@ -302,6 +303,27 @@ def test_node_and_gateway_answer_in_the_same_shapes(cluster: LocalCluster, capsy
     for address in (gateway, node):
         assert main(["--address", address, "--token", token, "image", "ls"]) == 0
         assert "busybox" in capsys.readouterr().out
+
+
+def test_cli_image_build_through_the_gateway(
+    cluster: LocalCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every node builds; the CLI prints each node's report (it printed a node's, and crashed on a gateway's)."""
+    from shoal.cli import main
+
+    gateway = f"shoal://{cluster.gateways[0].address}"
+    name = f"gwbuild-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+    (tmp_path / "f.txt").write_text("F\n")
+    (tmp_path / "Dockerfile").write_text("FROM busybox\nCOPY f.txt /f.txt\n")
+    try:
+        argv = ["--address", gateway, "--token", cluster.cluster_token, "image", "build", name, "-f"]
+        assert main([*argv, str(tmp_path / "Dockerfile")]) == 0
+        out = capsys.readouterr().out
+        assert f"{name}: 2 layers on node tc1" in out and f"{name}: 2 layers on node tc2" in out
+    finally:  # the nodes here share one store: remove through one of them
+        with shoal.Client(f"shoal://{cluster.nodes[0].address}", token=cluster.cluster_token) as node:
+            if name in node.images():
+                node.image_rm(name)
 
 
 async def test_cancelling_through_the_gateway_leaks_nothing(cluster: LocalCluster) -> None:

@@ -134,6 +134,14 @@ def _progress_bar(event: dict) -> None:
     )
 
 
+def _by_node(result: dict, key: str) -> dict[str, dict]:
+    """A node's answer, or a gateway's {node_id: answer} for operations every node does: as (" on node X"
+    suffix, answer) pairs, so one printer serves both."""
+    if key in result:
+        return {"": result}
+    return {f" on node {node}": answer for node, answer in sorted(result.items())}
+
+
 def cmd_image(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -150,7 +158,8 @@ def cmd_image(args: argparse.Namespace) -> int:
                     )
 
                 report = client.build_image(name, recipe, no_cache=args.no_cache, network=args.network, on_step=show)
-                print(f"{name}: {len(report['layers'])} layers")
+                for node, one in _by_node(report, "layers").items():
+                    print(f"{name}: {len(one['layers'])} layers{node}")
             else:
                 print(json.dumps(client.build_image(name or "debian", force=args.force)))
         elif action == "ls":
@@ -160,7 +169,8 @@ def cmd_image(args: argparse.Namespace) -> int:
             result = client.image_pull(
                 name, args.as_name, auth=args.auth, platform=args.platform, on_progress=_progress_bar
             )
-            print(f"{result['name']}: {result['digest']} ({result['fetched']} fetched, {result['skipped']} present)")
+            for node, one in _by_node(result, "digest").items():
+                print(f"{one['name']}: {one['digest']} ({one['fetched']} fetched, {one['skipped']} present){node}")
         elif action == "push":
             result = client.image_push(name, args.target, auth=args.auth, on_progress=_progress_bar)
             print(
