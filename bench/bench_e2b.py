@@ -6,6 +6,7 @@ native SDK, against the same node in one run.
 Rows (sequential, one at a time, on one node over TCP with a token, the E2B server in its own process):
 - `commands.run("true")`: the SDK runs `/bin/bash -l -c true` in the sandbox; the native rows run the same
   argv, and `exec("true")` for reference.
+- the same through the E2B API served inside the node process (SHOAL_E2B): no extra process on the path.
 - create -> run `true` -> kill.
 CPU-ms per op are the client process's and the E2B server's (from /proc), so the layer's own cost shows.
 The machine is shared: compare rows within one run, not across runs.
@@ -68,7 +69,9 @@ def main() -> None:
     parser.add_argument("--creates", type=int, default=30)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-e2b-"))
+    os.environ["SHOAL_E2B"] = "127.0.0.1:0"  # the node also serves E2B's API from its own process
     lc = LocalCluster(workdir / "cluster", nodes=1, prefix="be")
+    del os.environ["SHOAL_E2B"]
     server = None
     try:
         token = lc.project_tokens["default"]
@@ -82,6 +85,8 @@ def main() -> None:
             print(f"commands.run('true'), {args.runs} runs of each row, interleaved, one sandbox per side:")
             native = client.create(image="debian", ttl_s=600)
             sbx = Sandbox.create(template="base", timeout=600)
+            in_node = "http://" + (lc.nodes[0].home / "node.e2b").read_text().strip()
+            sbx_in = Sandbox.create(template="base", timeout=600, api_url=in_node, sandbox_url=in_node)
             try:
                 p50 = measure(
                     {
@@ -89,6 +94,7 @@ def main() -> None:
                         "native  sb.exec(bash -l -c true)": lambda: native.exec(SDK_ARGV),
                         "native  sb.exec(bash -l -c true, streamed)": lambda: native.exec(SDK_ARGV, on_stdout=print),
                         "e2b     sbx.commands.run('true')": lambda: sbx.commands.run("true"),
+                        "e2b     (served in the node) same": lambda: sbx_in.commands.run("true"),
                     },
                     args.runs,
                     pid,
@@ -96,8 +102,11 @@ def main() -> None:
             finally:
                 native.close()
                 sbx.kill()
+                sbx_in.kill()
             extra = p50["e2b     sbx.commands.run('true')"] - p50["native  sb.exec(bash -l -c true, streamed)"]
             print(f"  -> the E2B layer adds {extra:.2f} ms p50 per command (vs the same streamed exec)")
+            extra = p50["e2b     (served in the node) same"] - p50["native  sb.exec(bash -l -c true, streamed)"]
+            print(f"  -> served in the node: {extra:.2f} ms p50 per command")
 
             print(f"create -> run true -> kill, {args.creates} of each, interleaved:")
 

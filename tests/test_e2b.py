@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import no_leftovers
@@ -20,6 +21,7 @@ from e2b import (
     NotFoundException,
     Sandbox,
     SandboxException,
+    SandboxNotRunningException,
     SandboxQuery,
     TimeoutException,
 )
@@ -33,12 +35,21 @@ PROJECTS = {"alice": {}, "bob": {}}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalCluster, dict[str, LocalE2B]]]:
     workdir = tmp_path_factory.mktemp("e2b")
-    lc = LocalCluster(workdir / "cluster", nodes=2, projects=PROJECTS, prefix="e2")
+    saved = os.environ.get("SHOAL_E2B")
+    os.environ["SHOAL_E2B"] = "127.0.0.1:0"  # the nodes also serve E2B's API in their own process
+    try:
+        lc = LocalCluster(workdir / "cluster", nodes=2, projects=PROJECTS, prefix="e2")
+    finally:
+        os.environ.pop("SHOAL_E2B") if saved is None else os.environ.update(SHOAL_E2B=saved)
     servers: dict[str, LocalE2B] = {}
     try:
-        gateway = lc.add_gateway()
+        gateway = lc.add_gateway("--e2b", "127.0.0.1:0")  # and so does the gateway
         servers["node"] = LocalE2B(f"shoal://{lc.nodes[0].address}", workdir, "e2b-node")
         servers["gateway"] = LocalE2B(f"shoal://{gateway.address}", workdir, "e2b-gateway")
+        lc.hosted = {  # type: ignore[attr-defined]
+            "in-node": "http://" + (lc.nodes[0].home / "node.e2b").read_text().strip(),
+            "in-gateway": "http://" + Path(str(gateway.addr_file) + ".e2b").read_text().strip(),
+        }
         yield lc, servers
     finally:
         for server in servers.values():
@@ -210,6 +221,12 @@ def test_lifecycle_timeout_info_list_pause_connect(sbx: Sandbox, e2b_env: dict[s
         other.kill()
     with pytest.raises(NotFoundException):
         other.get_info()
+    assert not other.is_running()
+    assert Sandbox.kill(other.sandbox_id) is False  # already gone
+    with pytest.raises(SandboxNotRunningException):  # E2B's answer for in-sandbox calls to a gone sandbox
+        other.commands.run("true")
+    with pytest.raises(SandboxNotRunningException):
+        other.files.read("/work/state")
     assert other.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
 
 
@@ -289,3 +306,26 @@ def test_code_interpreter_run_code(e2b_env: dict[str, str]) -> None:
         assert sbx.run_code("'x' in dir()", context=context).text == "False"
         sbx.restart_code_context(context)
         sbx.remove_code_context(context)
+
+
+@pytest.mark.parametrize("where", ["in-node", "in-gateway"])
+def test_served_inside_node_and_gateway(where: str, cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SHOAL_E2B on a node / `--e2b` on a gateway: the same API from their own process, no extra server."""
+    lc, _servers = cluster
+    url = lc.hosted[where]
+    monkeypatch.setenv("E2B_API_URL", url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", url)
+    monkeypatch.setenv("E2B_API_KEY", lc.project_tokens["alice"])
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="not-a-shoal-token")
+    sbx = Sandbox.create(metadata={"where": where})
+    try:
+        assert sbx.commands.run("echo $0 ok", envs={}).stdout.endswith("ok\n")
+        sbx.files.write("/work/x", b"\x00bytes")
+        assert bytes(sbx.files.read("/work/x", format="bytes")) == b"\x00bytes"
+        assert [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"where": where})).next_items()] == [
+            sbx.sandbox_id
+        ]
+    finally:
+        sbx.kill()
+    assert not sbx.is_running()

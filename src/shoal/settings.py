@@ -234,6 +234,14 @@ TCP: Setting[str] = _declare(
 HTTP: Setting[str] = _declare(
     "SHOAL_HTTP", str, None, NETWORK, "Serve /metrics and /healthz at `host:port`.", fallback="off"
 )
+E2B: Setting[str] = _declare(
+    "SHOAL_E2B",
+    str,
+    None,
+    NETWORK,
+    "Serve E2B's API (unmodified e2b SDK programs, docs/E2B.md) at `host:port`, over SHOAL_TCP.",
+    fallback="off",
+)
 TOKENS: Setting[Path] = _declare(
     "SHOAL_TOKENS", Path, None, NETWORK, "JSON token file: tokens → projects and quotas (docs/CLUSTER.md).", secret=True
 )
@@ -263,6 +271,9 @@ MAX_PREAUTH: Setting[int] = _declare(
 GATEWAY: Setting[str] = _declare("SHOAL_GATEWAY", str, "0.0.0.0:7470", CLUSTER, "Where a gateway listens (`--listen`).")
 GATEWAY_HTTP: Setting[str] = _declare(
     "SHOAL_GATEWAY_HTTP", str, None, CLUSTER, "The gateway's HTTP API and /metrics (`--http`).", fallback="off"
+)
+GATEWAY_E2B: Setting[str] = _declare(
+    "SHOAL_GATEWAY_E2B", str, None, CLUSTER, "The gateway's E2B API, docs/E2B.md (`--e2b`).", fallback="off"
 )
 GATEWAY_NAME: Setting[str] = _declare("SHOAL_GATEWAY_NAME", str, "gw", CLUSTER, "The gateway's name (`--name`).")
 ADMISSION_TIMEOUT: Setting[float] = _declare(

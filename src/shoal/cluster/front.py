@@ -22,7 +22,7 @@ from shoal.errors import AuthenticationError
 from shoal.netguard import ConnectionGuard, Listener, serve_tcp
 from shoal.node.server import NodeServer
 from shoal.protocol import Request
-from shoal.settings import HTTP, PARENT_PID, TCP
+from shoal.settings import E2B, HTTP, PARENT_PID, TCP
 
 log = logging.getLogger("shoal.tcp")
 
@@ -96,6 +96,14 @@ async def serve_network(server: NodeServer, paths: Any, stop: asyncio.Event) -> 
             tcp.close()
 
         closers.append(close_tcp)
+    e2b_where = E2B.get()
+    if e2b_where:
+        if not where:
+            raise NodeError("SHOAL_E2B is set but SHOAL_TCP is not: E2B's API is served over the node's TCP protocol")
+        from shoal.e2b.server import default_target, start
+
+        host, port = tcp.sockets[0].getsockname()[:2]
+        closers.append(await start(default_target(f"shoal://{host}:{port}"), e2b_where, paths.home / "node.e2b"))
     http_where = HTTP.get()
     if http_where:
         from shoal.cluster.http import serve_node_http

@@ -662,7 +662,14 @@ class Gateway:
         self.conns.clear()
 
 
-async def serve(gateway: Gateway, where: str, http: str | None, addr_file: str | None, stop: asyncio.Event) -> None:
+async def serve(
+    gateway: Gateway,
+    where: str,
+    http: str | None,
+    addr_file: str | None,
+    stop: asyncio.Event,
+    e2b: str | None = None,
+) -> None:
     from shoal.config import parse_hostport
 
     host, port = parse_hostport(where)
@@ -673,6 +680,11 @@ async def serve(gateway: Gateway, where: str, http: str | None, addr_file: str |
         from shoal.cluster.http import serve_gateway_http
 
         closers.append(await serve_gateway_http(gateway, http, addr_file and addr_file + ".http"))
+    if e2b:  # E2B's API in this process, a client of this gateway (docs/E2B.md)
+        from shoal.e2b.server import default_target, start
+
+        target = default_target(f"shoal://{bound[0]}:{bound[1]}")
+        closers.append(await start(target, e2b, addr_file and addr_file + ".e2b"))
     if addr_file:
         with open(addr_file + ".tmp", "w") as f:
             f.write(f"{bound[0]}:{bound[1]}\n")
@@ -691,6 +703,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shoal.cluster.gateway", description=__doc__.splitlines()[0])
     parser.add_argument("--listen", default=settings.GATEWAY.get())
     parser.add_argument("--http", default=settings.GATEWAY_HTTP.get(), help="host:port for /metrics")
+    parser.add_argument("--e2b", default=settings.GATEWAY_E2B.get(), help="host:port for E2B's API (docs/E2B.md)")
     parser.add_argument("--tokens", default=settings.TOKENS.raw(), required=not settings.TOKENS.is_set())
     parser.add_argument("--node", action="append", default=[], help="node_id=host:port (repeatable)")
     parser.add_argument("--discover", help="name:port: the nodes are every address this DNS name resolves to")
@@ -728,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
                 stop.set()
 
             gateway.tasks.spawn(watch(), "watch the supervisor")
-        await serve(gateway, args.listen, args.http, args.addr_file, stop)
+        await serve(gateway, args.listen, args.http, args.addr_file, stop, args.e2b)
 
     asyncio.run(run())
     return 0

@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from shoal.client.aio import AsyncSandbox
 from shoal.e2b.backend import RESERVED_PREFIX, TEMPLATE_LABEL, Backend
 from shoal.errors import (
     AuthenticationError,
@@ -33,6 +34,7 @@ from shoal.errors import (
     NotFoundError,
     QuotaExceededError,
     SandboxLostError,
+    SandboxNotFoundError,
 )
 
 ENVD_VERSION = "0.5.7"  # the envd features this layer answers (see docs/E2B.md); newer ones stay off in the SDK
@@ -54,6 +56,15 @@ def api_key(request: web.Request) -> str | None:
         return key
     auth = request.headers.get("Authorization", "")
     return auth[7:] if auth.startswith("Bearer ") else None
+
+
+def envd_error_response(exc: BaseException) -> web.Response:
+    """An error on an in-sandbox route: a sandbox that is gone (or another project's) gets what E2B's proxy
+    answers, 502 "... was not found", which the SDK turns into SandboxNotRunningException / is_running False."""
+    if isinstance(exc, SandboxNotFoundError):
+        message = f"The sandbox was not found ({type(exc).__name__}: {exc})"
+        return web.json_response({"code": 502, "message": message}, status=502)
+    return error_response(exc)
 
 
 def error_response(exc: BaseException) -> web.Response:
@@ -157,8 +168,9 @@ class ControlPlane:
             )
         except ImageNotFoundError as exc:
             raise ImageNotFoundError(f"template {template!r} (image {image!r}) does not exist: {exc}") from None
-        # not remembered: this handle numbers its steps from 0 for fast-forward, while the E2B layer's
-        # concurrent, cancellable requests must append (the handles `get` returns)
+        # the create handle numbers its steps from 0 (fast-forward); the E2B layer's concurrent, cancellable
+        # requests must append, as the handles `get` returns do: remember one of those for this sandbox
+        self.backend.remember(key, AsyncSandbox(client, sandbox.info))
         return web.json_response(self._sandbox_json(sandbox.info, key), status=201)
 
     async def list(self, request: web.Request, key: str | None) -> web.Response:
@@ -182,7 +194,7 @@ class ControlPlane:
     async def kill(self, request: web.Request, key: str | None) -> web.Response:
         sandbox_id = request.match_info["id"]
         client = await self.backend.client(key)
-        await client.get(sandbox_id)  # not found (or another project's) -> 404, as E2B answers
+        await client.get(sandbox_id)  # gone, never there or another project's -> 404, as E2B answers
         await client.kill(sandbox_id)
         self.backend.forget(sandbox_id)
         return web.Response(status=204)

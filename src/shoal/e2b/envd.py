@@ -78,8 +78,8 @@ def connect_error(exc: BaseException) -> ConnectError:
     if isinstance(exc, AuthenticationError):
         code = Code.UNAUTHENTICATED
     elif isinstance(exc, SandboxNotFoundError):
-        # the SDK reads "sandbox ... not found" UNAVAILABLE answers as a sandbox that is gone
-        return ConnectError(Code.NOT_FOUND, f"The sandbox was not found: {exc}")
+        # what E2B's proxy answers for a sandbox that is gone; the SDK raises SandboxNotRunningException
+        return ConnectError(Code.UNAVAILABLE, f"The sandbox was not found ({type(exc).__name__}: {exc})")
     elif isinstance(exc, NotFoundError):
         code = Code.NOT_FOUND
     elif isinstance(exc, InvalidRequestError):

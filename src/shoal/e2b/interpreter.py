@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shoal.e2b.api import api_key, error_response
+from shoal.e2b.api import api_key, envd_error_response
 from shoal.e2b.backend import Backend
 from shoal.errors import InvalidRequestError
 
@@ -173,7 +173,7 @@ class Interpreter:
                 raise InvalidRequestError(f"language {language!r} is not offered by shoal's code interpreter: python")
             context = self._context(sandbox.id, body.get("context_id") or DEFAULT_CONTEXT)
         except Exception as exc:
-            return error_response(exc)
+            return envd_error_response(exc)
         response = web.StreamResponse(status=200, headers={"Content-Type": "application/x-ndjson"})
         await response.prepare(request)
         payload = json.dumps({"code": body.get("code", ""), "env_vars": body.get("env_vars") or {}})
@@ -205,7 +205,7 @@ class Interpreter:
             if (body.get("language") or "python") != "python":
                 raise InvalidRequestError("only python contexts are offered by shoal's code interpreter")
         except Exception as exc:
-            return error_response(exc)
+            return envd_error_response(exc)
         context = {"id": uuid.uuid4().hex, "language": "python", "cwd": body.get("cwd") or "/"}
         self.contexts[(sandbox.id, context["id"])] = context
         return web.json_response(context)
@@ -214,7 +214,7 @@ class Interpreter:
         try:
             sandbox = await self._sandbox(request)
         except Exception as exc:
-            return error_response(exc)
+            return envd_error_response(exc)
         found = [c for (sid, _), c in self.contexts.items() if sid == sandbox.id]
         return web.json_response([self._context(sandbox.id, DEFAULT_CONTEXT), *found])
 
@@ -233,5 +233,5 @@ class Interpreter:
             if forget:
                 self.contexts.pop((sandbox.id, context_id), None)
         except Exception as exc:
-            return error_response(exc)
+            return envd_error_response(exc)
         return web.Response(status=204)

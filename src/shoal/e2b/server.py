@@ -15,6 +15,7 @@ import asyncio
 import email.message
 import posixpath
 import signal
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from e2b.envd.process.process_connect import ProcessASGIApplication
 
 from shoal.config import parse_hostport
 from shoal.e2b import interpreter
-from shoal.e2b.api import ControlPlane, api_key, error_response
+from shoal.e2b.api import ControlPlane, api_key, envd_error_response
 from shoal.e2b.asgi import call_asgi
 from shoal.e2b.backend import Backend, Target
 from shoal.e2b.envd import FilesystemService, Processes, ProcessService
@@ -87,7 +88,7 @@ class E2BServer:
             sandbox = await self.backend.sandbox(token, sandbox_id)
             await sandbox.refresh()
         except Exception as exc:
-            return error_response(exc)
+            return envd_error_response(exc)
         return web.Response(status=204)
 
     async def download(self, request: web.Request) -> web.StreamResponse:
@@ -102,7 +103,7 @@ class E2BServer:
                 raise InvalidRequestError(f"{path} is a directory")
             data = await sandbox.files.read(path)
         except Exception as exc:
-            return error_response(exc)
+            return envd_error_response(exc)
         return web.Response(body=data, content_type="application/octet-stream")
 
     async def upload(self, request: web.Request) -> web.StreamResponse:
@@ -132,12 +133,13 @@ class E2BServer:
                 await sandbox.files.write(path, data)
                 written.append({"name": posixpath.basename(path), "type": "file", "path": path})
         except Exception as exc:
-            return error_response(exc)
+            return envd_error_response(exc)
         return web.json_response(written)
 
 
-async def serve(target: Target, listen: str, addr_file: str | None = None) -> None:
-    """Serve until SIGTERM/SIGINT."""
+async def start(target: Target, listen: str, addr_file: Any = None) -> Callable[[], Awaitable[None]]:
+    """Serve on `listen` (port 0: any free one); write the bound host:port to `addr_file`; returns the closer.
+    Also used by a node (SHOAL_E2B) or a gateway (`--e2b`) to serve E2B's API in its own process."""
     host, port = parse_hostport(listen)
     runner = web.AppRunner(E2BServer(target).app(), access_log=None)
     await runner.setup()
@@ -145,8 +147,14 @@ async def serve(target: Target, listen: str, addr_file: str | None = None) -> No
     await site.start()
     bound = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
     if addr_file:
-        Path(addr_file + ".tmp").write_text(f"{bound[0]}:{bound[1]}\n")
-        Path(addr_file + ".tmp").rename(addr_file)
+        Path(str(addr_file) + ".tmp").write_text(f"{bound[0]}:{bound[1]}\n")
+        Path(str(addr_file) + ".tmp").rename(addr_file)
+    return runner.cleanup
+
+
+async def serve(target: Target, listen: str, addr_file: str | None = None) -> None:
+    """Serve until SIGTERM/SIGINT."""
+    close = await start(target, listen, addr_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -154,7 +162,12 @@ async def serve(target: Target, listen: str, addr_file: str | None = None) -> No
     try:
         await stop.wait()
     finally:
-        await runner.cleanup()
+        await close()
+
+
+def default_target(address: str) -> Target:
+    """`address` with the built-in template map (base and the code interpreter's templates)."""
+    return Target(address, tuple({**dict(Target().templates), **interpreter.TEMPLATES}.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         "--template", action="append", default=[], metavar="NAME=IMAGE", help="map an E2B template to a shoal image"
     )
     args = parser.parse_args(argv)
-    templates = dict(Target().templates)
-    templates.update(interpreter.TEMPLATES)
+    templates = dict(default_target("").templates)
     for item in args.template:
         name, _, image = item.partition("=")
         templates[name] = image
