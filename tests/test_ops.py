@@ -478,3 +478,22 @@ async def test_a_closed_gateway_leaves_no_task_behind() -> None:
     await gateway.close()
     assert len(gateway.tasks) == 0
     assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("gateway gw:")]
+
+
+@pytest.mark.fast
+def test_one_mapping_from_exceptions_to_wire_errors() -> None:
+    """errors.to_wire / from_wire: what the node, the gateway and the HTTP API send, and the client raises."""
+    from shoal.errors import ERROR_TYPES, from_wire, to_wire
+
+    for cls in ERROR_TYPES.values():  # every typed error crosses the wire as itself
+        kind, message, expected = to_wire(cls("why and what to do"))
+        assert expected and type(from_wire(kind, message)) is cls and str(from_wire(kind, message)) == message
+
+    class AgentSaid(FileNotFoundError):
+        pass
+
+    assert to_wire(AgentSaid("no /x")) == ("FileNotFoundError", "no /x", True)
+    assert to_wire(asyncio.CancelledError())[:2] == ("CancelledError", "cancelled")
+    kind, message, expected = to_wire(KeyError("k"))  # a bug: sent as ShoalError naming it, and logged
+    assert (kind, message, expected) == ("ShoalError", "KeyError: 'k'", False)
+    assert type(from_wire("NoSuchError", "m")) is shoal.ShoalError

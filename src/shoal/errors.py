@@ -124,8 +124,9 @@ def to_wire(exc: BaseException) -> tuple[str, str, bool]:
     if isinstance(exc, ShoalError):  # a subclass defined elsewhere: its nearest wire type
         base = next(c for c in type(exc).__mro__ if c.__name__ in ERROR_TYPES)
         return base.__name__, str(exc), True
-    if name in _BUILTIN_ERRORS and type(exc) is _BUILTIN_ERRORS[name]:
-        return name, str(exc), True
+    builtin = next((c.__name__ for c in type(exc).__mro__ if _BUILTIN_ERRORS.get(c.__name__) is c), None)
+    if builtin is not None:  # a file error the agent reported (or a subclass of one): its builtin class
+        return builtin, str(exc), True
     return "ShoalError", f"{name}: {exc}", False
 
 
