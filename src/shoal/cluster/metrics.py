@@ -176,7 +176,7 @@ def node_metrics(server: Any) -> Registry:
         return out
 
     reg.add(Gauge("shoal_node_sandboxes", "Live sandboxes by kind and state", ["kind", "state"], collect=by_state))
-    reg.add(Gauge("shoal_node_creating", "Sandboxes being created", collect=lambda: {(): service._creating}))
+    reg.add(Gauge("shoal_node_creating", "Sandboxes being created", collect=lambda: {(): service.creating}))
     reg.add(
         Gauge(
             "shoal_node_capacity",

@@ -19,7 +19,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shoal import settings
 from shoal.errors import InvalidRequestError, SandboxLostError, SandboxNotFoundError
@@ -44,7 +44,26 @@ from shoal.substrates.function.pool import (
 from shoal.substrates.function.worker import WRITABLE, inside
 
 if TYPE_CHECKING:
-    from shoal.node.service import NodeService
+    from shoal.config import NodeSettings
+    from shoal.images import Image, ImageStore
+    from shoal.node.sandbox import Sandbox
+
+
+class FunctionHost(Protocol):
+    """What the function kind needs of the node: container sandboxes for its workers, images, settings, and
+    the closed-sandbox record (shoal.node.service.NodeService is one)."""
+
+    settings: NodeSettings
+    images: ImageStore
+
+    async def make_sandbox(self, spec: SandboxSpec, image: Image | None = None) -> Sandbox: ...
+
+    async def destroy_sandbox(self, sandbox: Sandbox) -> None: ...
+
+    async def image_named(self, name: str) -> Image: ...
+
+    def remember_closed(self, sandbox_id: str, reason: str) -> None: ...
+
 
 log = logging.getLogger("shoal.functions")
 
@@ -97,7 +116,7 @@ class FnSandbox:
 
 
 class FunctionService:
-    def __init__(self, node: NodeService) -> None:
+    def __init__(self, node: FunctionHost) -> None:
         self.node = node
         self.sandboxes: dict[str, FnSandbox] = {}
         self.pools: dict[WorkerKey, WorkerPool] = {}
@@ -164,12 +183,12 @@ class FunctionService:
 
     async def _start_worker(self, key: WorkerKey) -> Worker:
         spec = SandboxSpec(kind="container", image=key.image, runtime=key.runtime, pids=None, pool=False)
-        sandbox = await self.node._make(spec)
+        sandbox = await self.node.make_sandbox(spec)
         self._configs[key.image] = sandbox.image.config  # as the image is now (it may have been rebuilt)
         try:
             return await self._boot(key, sandbox)
         except BaseException:
-            await asyncio.shield(self.node._destroy(sandbox))
+            await asyncio.shield(self.node.destroy_sandbox(sandbox))
             raise
 
     async def _boot(self, key: WorkerKey, sandbox: Any) -> Worker:
@@ -221,12 +240,12 @@ class FunctionService:
             await worker.process.close()
         except Exception:  # noqa: BLE001
             pass
-        await asyncio.shield(self.node._destroy(worker.sandbox))
+        await asyncio.shield(self.node.destroy_sandbox(worker.sandbox))
 
     async def set_warm(self, spec: SandboxSpec, size: int, wait: bool = False) -> dict[str, Any]:
         """Keep `size` workers of this image warm; 0 stops its idle workers now (demand starts them again)."""
         self._check_spec(spec)
-        await self.node._image(spec.image)
+        await self.node.image_named(spec.image)
         pool = self._pool(spec)
         pool.warm = max(0, size)
         if pool.warm == 0:  # like a container pool of size 0: idle workers of the image (any modules) go now
@@ -344,7 +363,7 @@ class FunctionService:
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         self._check_spec(spec)
-        await self.node._image(spec.image)
+        await self.node.image_named(spec.image)
         now = time.time()
         sandbox = FnSandbox(
             id=f"{self.node.settings.node_id}-fn-{secrets.token_hex(6)}",
@@ -373,7 +392,7 @@ class FunctionService:
 
     def kill(self, sandbox_id: str, reason: str = "closed by the client") -> None:
         if self.sandboxes.pop(sandbox_id, None) is not None:
-            self.node._remember_closed(sandbox_id, reason)
+            self.node.remember_closed(sandbox_id, reason)
 
     def keepalive(self, sandbox_id: str, ttl_s: float | None) -> SandboxInfo:
         sandbox = self.sandboxes[sandbox_id]

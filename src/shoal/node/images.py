@@ -17,7 +17,7 @@ import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shoal.errors import ImageError, InvalidRequestError, UnsupportedKindError
 from shoal.images import Image, ImageConfig, ImageStore, erofs, layout, registry
@@ -28,7 +28,21 @@ Emit = Callable[[Any], Awaitable[None]]
 
 if TYPE_CHECKING:
     from shoal.node.sandbox import Sandbox
-    from shoal.node.service import NodeService
+    from shoal.protocol import ExecResult
+    from shoal.substrates import Substrate
+
+
+class BuildHost(Protocol):
+    """What image snapshots and builds need of the node (shoal.node.service.NodeService is one)."""
+
+    substrates: dict[str, Substrate]
+
+    async def spawn_sandbox(self, spec: SandboxSpec, image: Image) -> Sandbox: ...
+
+    async def exec_in(self, sandbox: Sandbox, argv: list[str], timeout: float | None) -> ExecResult: ...
+
+    async def kill(self, sandbox_id: str, reason: str = ...) -> None: ...
+
 
 log = logging.getLogger("shoal.images")
 
@@ -127,7 +141,7 @@ class NodeImages:
 
     # ---------------------------------------------------------------- snapshots
 
-    async def snapshot(self, service: NodeService, sandbox: Sandbox, name: str) -> dict[str, Any]:
+    async def snapshot(self, service: BuildHost, sandbox: Sandbox, name: str) -> dict[str, Any]:
         """Commit the sandbox's writes (deletions included) as one layer over its image; register `name`."""
         async with self._writing():
             diff_id = await self.snapshot_layer(service, sandbox)
@@ -135,7 +149,7 @@ class NodeImages:
             await asyncio.to_thread(self.store.commit, name, layers, sandbox.image.config)
         return {"name": name, "layer": diff_id, "layers": layers, "size": self.store.layer_info(diff_id).size}
 
-    async def snapshot_layer(self, service: NodeService, sandbox: Sandbox) -> str:
+    async def snapshot_layer(self, service: BuildHost, sandbox: Sandbox) -> str:
         """The sandbox's upper directory as a committed layer. The sandbox is frozen while it is read:
         with EROFS only for mkfs.erofs (the tar blob is then packed from the new image), else for the tar."""
         if sandbox.spec.kind != "container":
@@ -160,7 +174,7 @@ class NodeImages:
 
     async def build(
         self,
-        service: NodeService,
+        service: BuildHost,
         name: str,
         base: str,
         steps: list[dict[str, Any]],
@@ -175,7 +189,7 @@ class NodeImages:
 
     async def _build(
         self,
-        service: NodeService,
+        service: BuildHost,
         name: str,
         base: str,
         steps: list[dict[str, Any]],
@@ -223,7 +237,7 @@ class NodeImages:
 
     async def _run_step(
         self,
-        service: NodeService,
+        service: BuildHost,
         layers: list[str],
         config: ImageConfig,
         step: dict[str, Any],
@@ -238,7 +252,7 @@ class NodeImages:
         )
         if config.user and config.user not in ("0", "0:0", "root"):
             spec.user = config.user
-        sandbox = await service._spawn(spec, image)
+        sandbox = await service.spawn_sandbox(spec, image)
         try:
             cmd = step["cmd"]
             argv = list(cmd) if isinstance(cmd, list) else [*config.shell, "-c", cmd]

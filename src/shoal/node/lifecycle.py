@@ -21,14 +21,30 @@ import errno
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shoal import cgroups
 from shoal.errors import UnsupportedKindError
 from shoal.node.sandbox import Sandbox, State
 
 if TYPE_CHECKING:
-    from shoal.node.service import NodeService
+    from shoal.config import NodeSettings
+    from shoal.node.trajectory import TrajectoryLog
+    from shoal.substrates import Substrate
+
+
+class LifecycleHost(Protocol):
+    """What pause/resume and the reaper need of the node (shoal.node.service.NodeService is one)."""
+
+    substrates: dict[str, Substrate]
+    sandboxes: dict[str, Sandbox]
+    settings: NodeSettings
+    trajectory: TrajectoryLog
+
+    def persist(self, sandbox: Sandbox) -> None: ...
+
+    async def kill(self, sandbox_id: str, reason: str = ...) -> None: ...
+
 
 log = logging.getLogger("shoal.node")
 ON_TIMEOUT = ("kill", "pause")
@@ -62,7 +78,7 @@ def reclaim_memory(cgroup_path: str) -> None:
 class Lifecycle:
     """Pause/resume and the reaper. One per node; sandboxes are the service's."""
 
-    def __init__(self, service: NodeService) -> None:
+    def __init__(self, service: LifecycleHost) -> None:
         self.service = service
         self._locks: dict[str, asyncio.Lock] = {}
 

@@ -9,7 +9,7 @@ input payload the log kept only as a digest (steps.BULK_BYTES); a large read is 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -19,7 +19,25 @@ from shoal.protocol import ExecRequest, SandboxSpec, convert
 from shoal.steps import BULK_ARGS, BULK_BYTES, bulk, is_bulk
 
 if TYPE_CHECKING:
-    from shoal.node.service import NodeService
+    from shoal.node.trajectory import TrajectoryLog
+    from shoal.protocol import SandboxInfo
+
+
+class ReplayHost(Protocol):
+    """The node operations a replay issues (shoal.node.service.NodeService is one)."""
+
+    trajectory: TrajectoryLog
+
+    async def create(self, spec: SandboxSpec) -> SandboxInfo: ...
+
+    async def exec(self, req: ExecRequest) -> Any: ...
+
+    async def shell_open(self, sandbox_id: str) -> str: ...
+
+    async def shell_run(self, shell_id: str, **args: Any) -> Any: ...
+
+    async def kill(self, sandbox_id: str, reason: str = ...) -> None: ...
+
 
 EXEC_FIELDS = ("exit_code", "stdout", "stderr", "timed_out", "signal")
 NOT_REPLAYED = {"sandbox_snapshot": "a replay must not overwrite the image the original run committed"}
@@ -27,7 +45,7 @@ _roundtrip = msgspec.msgpack.Decoder().decode
 _encode = msgspec.msgpack.Encoder().encode
 
 
-async def replay(service: NodeService, sandbox_id: str, image: str | None, keep: bool) -> dict[str, Any]:
+async def replay(service: ReplayHost, sandbox_id: str, image: str | None, keep: bool) -> dict[str, Any]:
     record = service.trajectory.sandbox(sandbox_id)
     if record is None:
         raise SandboxNotFoundError(f"sandbox {sandbox_id} has no trajectory record to replay")
@@ -67,7 +85,7 @@ async def replay(service: NodeService, sandbox_id: str, image: str | None, keep:
     }
 
 
-async def _issue(service: NodeService, sandbox_id: str, step: Step, shells: dict[str, str]) -> Any:
+async def _issue(service: ReplayHost, sandbox_id: str, step: Step, shells: dict[str, str]) -> Any:
     args = dict(step.args)
     if step.op == "exec":
         return await service.exec(ExecRequest(sandbox_id=sandbox_id, **args))

@@ -94,7 +94,7 @@ class NodeService:
         self.sandboxes: dict[str, Sandbox] = {}
         self.shells: dict[str, ShellSession] = {}
         self.closed: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self.pools = WarmPools(self._make, self._destroy)
+        self.pools = WarmPools(self.make_sandbox, self.destroy_sandbox)
         self.network = network.NetworkManager(paths.home)
         self.started_at = time.time()
         self._creating = 0
@@ -198,7 +198,7 @@ class NodeService:
                 await self._substrate_of(directory).destroy_orphan(directory)
                 removed.append(directory.name)
                 self.lost[directory.name] = reason
-                self._remember_closed(directory.name, reason)
+                self.remember_closed(directory.name, reason)
                 await self.trajectory.close_sandbox(directory.name, "lost", reason)
         assert isinstance(container, ContainerSubstrate)
         for name in ("crun", "runc", "runsc"):
@@ -287,7 +287,7 @@ class NodeService:
             self.persist(sandbox)
             await self.trajectory.open_sandbox(sandbox.id, spec.trajectory, sandbox.image.name, _stored_spec(spec))
         except BaseException:
-            await asyncio.shield(self._destroy(sandbox))
+            await asyncio.shield(self.destroy_sandbox(sandbox))
             await asyncio.shield(
                 self.trajectory.close_sandbox(sandbox.id, "closed", "its create failed or was cancelled")
             )
@@ -377,7 +377,7 @@ class NodeService:
     async def _make_checked(self, spec: SandboxSpec) -> Sandbox:
         """`_make`, with a full disk reported as the capacity problem it is."""
         try:
-            return await self._make(spec)
+            return await self.make_sandbox(spec)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 free = shutil.disk_usage(self.paths.sandboxes).free >> 20
@@ -387,7 +387,7 @@ class NodeService:
                 ) from exc
             raise
 
-    async def _make(self, spec: SandboxSpec, image: Image | None = None) -> Sandbox:
+    async def make_sandbox(self, spec: SandboxSpec, image: Image | None = None) -> Sandbox:
         """Cold-create a sandbox with no late-bound fields applied."""
         substrate = self.substrates[spec.kind]
         if spec.snapshot is not None:
@@ -414,7 +414,7 @@ class NodeService:
             self._creating -= 1
         return Sandbox(id=sandbox_id, spec=spec, image=image, instance=instance, agent=agent)
 
-    async def _image(self, name: str) -> Image:
+    async def image_named(self, name: str) -> Image:
         """Image `name` from the store (built first if it is a builtin); its layers are not mounted."""
         return await self.node_images.resolve(name)
 
@@ -472,7 +472,7 @@ class NodeService:
                 return int(fields[2]), int(group) if group.isdigit() else int(fields[3])
         raise InvalidRequestError(f"user {name!r} does not exist in image {sandbox.spec.image!r}")
 
-    async def _destroy(self, sandbox: Sandbox) -> None:
+    async def destroy_sandbox(self, sandbox: Sandbox) -> None:
         task = asyncio.ensure_future(self._destroy_now(sandbox))
         self._destroying.add(task)
         task.add_done_callback(self._destroying.discard)
@@ -485,13 +485,13 @@ class NodeService:
             await self.network.detach(sandbox.id)
             await self.node_images.release(sandbox.image.layer_ids)
 
-    async def _spawn(self, spec: SandboxSpec, image: Image) -> Sandbox:
+    async def spawn_sandbox(self, spec: SandboxSpec, image: Image) -> Sandbox:
         """A sandbox of an unnamed layer stack (build steps), registered so node shutdown closes it."""
-        sandbox = await self._make(spec, image)
+        sandbox = await self.make_sandbox(spec, image)
         try:
             await self._bind(sandbox, spec, time.time())
         except BaseException:
-            await asyncio.shield(self._destroy(sandbox))
+            await asyncio.shield(self.destroy_sandbox(sandbox))
             raise
         self.sandboxes[sandbox.id] = sandbox
         return sandbox
@@ -536,7 +536,7 @@ class NodeService:
             if sandbox_id in self.closed:
                 return
             raise SandboxNotFoundError(f"no sandbox {sandbox_id} on node {self.settings.node_id}")
-        self._remember_closed(sandbox_id, reason)
+        self.remember_closed(sandbox_id, reason)
         was_paused = sandbox.state is State.PAUSED
         sandbox.state = State.CLOSED
         self.lifecycle.forget(sandbox_id)
@@ -548,10 +548,15 @@ class NodeService:
         for shell in [s for s in self.shells.values() if s.sandbox_id == sandbox_id]:
             self.shells.pop(shell.id, None)
             await shell.close()
-        await asyncio.shield(self._destroy(sandbox))
+        await asyncio.shield(self.destroy_sandbox(sandbox))
         await self.trajectory.close_sandbox(sandbox_id, "closed", reason)
 
-    def _remember_closed(self, sandbox_id: str, reason: str) -> None:
+    @property
+    def creating(self) -> int:
+        """Sandboxes being made right now (a metric; capacity checks count them too)."""
+        return self._creating
+
+    def remember_closed(self, sandbox_id: str, reason: str) -> None:
         self.closed[sandbox_id] = reason
         while len(self.closed) > 100_000:
             self.closed.popitem(last=False)
@@ -635,8 +640,8 @@ class NodeService:
         sandbox.lost_reason = reason
         self.lifecycle.forget(sandbox.id)
         self.sandboxes.pop(sandbox.id, None)
-        self._remember_closed(sandbox.id, f"lost: {reason}")
-        await asyncio.shield(self._destroy(sandbox))
+        self.remember_closed(sandbox.id, f"lost: {reason}")
+        await asyncio.shield(self.destroy_sandbox(sandbox))
         await self.trajectory.close_sandbox(sandbox.id, "lost", f"lost: {reason}")
         return SandboxLostError(f"sandbox {sandbox.id} is lost: {reason}")
 
