@@ -45,6 +45,7 @@ from shoal.errors import (
 
 KEEPALIVE_S = 30.0
 WATCH_POLL_S = 0.2
+MAX_WATCHERS = 4096
 TIMED_OUT = "command timed out"
 
 # stdin=True: shoal's exec takes stdin up front, so the command reads a FIFO in the sandbox instead. A keeper
@@ -501,6 +502,8 @@ class FilesystemService:
         watcher_id = base64.urlsafe_b64encode(os.urandom(12)).decode()
         snapshot = await self._snapshot(sandbox, request.path, request.recursive)
         self.watchers[watcher_id] = (token or "", sandbox_id, request.path, request.recursive, snapshot)
+        while len(self.watchers) > MAX_WATCHERS:  # a client that never removes its watchers cannot grow this
+            del self.watchers[next(iter(self.watchers))]
         return filesystem_pb.CreateWatcherResponse(watcher_id=watcher_id)
 
     async def get_watcher_events(
