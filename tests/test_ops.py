@@ -416,8 +416,9 @@ def test_a_killed_trainer_comes_back_through_another_gateway(cluster: LocalClust
         with shoal.Client(f"shoal://{holder.address}", token=token) as direct:  # the project itself: yes
             assert direct.attach(name).id == sandbox_id
         sandbox.close()
-        with pytest.raises(shoal.SandboxClosedError):  # an ended trajectory is not made again silently
+        with pytest.raises(shoal.SandboxClosedError) as ended:  # an ended trajectory is not made again silently
             client.create(image="busybox", pool=False, trajectory=name)
+        assert f"trajectory {name!r}" in str(ended.value) and "@" not in str(ended.value)  # the user's name
 
 
 RACER = """

@@ -34,6 +34,7 @@ from shoal.errors import (
     InvalidRequestError,
     NotFoundError,
     SandboxNotFoundError,
+    ShoalError,
 )
 from shoal.protocol import SandboxInfo, combine_status
 from shoal.substrates.qemu.substrate import check_snapshot_id
@@ -102,7 +103,17 @@ class Tenancy:
 
     async def call(self, project: str, op: str, args: dict[str, Any], invoke: Invoke, enforce: bool) -> Any:
         """Serve `op` for `project`: refuse what is not its own, put its names in its namespace, take the
-        namespace off the answer. `enforce`: hold it to its quotas here (a gateway enforces them itself)."""
+        namespace off the answer (and off the message of an error). `enforce`: hold it to its quotas here
+        (a gateway enforces them itself)."""
+        try:
+            return await self._call(project, op, args, invoke, enforce)
+        except ShoalError as exc:
+            prefix = scoped(project, "")
+            if prefix not in str(exc):
+                raise
+            raise type(exc)(str(exc).replace(prefix, "")) from None
+
+    async def _call(self, project: str, op: str, args: dict[str, Any], invoke: Invoke, enforce: bool) -> Any:
         spec = ops.get(op)
         if spec.access != ops.PROJECT:
             raise AuthenticationError(f"operation {op!r} needs a cluster (admin) token, not project {project!r}'s")
