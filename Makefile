@@ -22,6 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,cluster]'
+	$(PY) -m pip install -q --no-deps 'verl==0.9.1'  # its interface modules only (docs/RL.md); deps in [dev]
 	touch $@
 
 venv: $(VENV)/.installed
