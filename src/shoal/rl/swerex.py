@@ -141,13 +141,19 @@ class ShoalRuntime(AbstractRuntime):
 
 class ShoalDeployment(AbstractDeployment):
     """Starts a shoal sandbox (`create_options`: kind, image, cpu, memory_mb, ttl_s (default one hour),
-    network, ...) and hands out its `ShoalRuntime`; `stop()` closes it. `client`: AsyncClient options."""
+    network, ...) and hands out its `ShoalRuntime`; `stop()` closes it. `client`: AsyncClient options, or a
+    connected `shoal.AsyncClient` to share between many deployments on one event loop (it stays open)."""
 
     def __init__(
-        self, *, client: dict[str, Any] | None = None, logger: logging.Logger | None = None, **create_options: Any
+        self,
+        *,
+        client: dict[str, Any] | AsyncClient | None = None,
+        logger: logging.Logger | None = None,
+        **create_options: Any,
     ):
         self.logger = logger or logging.getLogger("shoal.rl.swerex")
-        self._client_options = dict(client or {})
+        self._shared = client if isinstance(client, AsyncClient) else None
+        self._client_options = {} if self._shared else dict(client or {})
         self._create_options = {"kind": "container", "image": "debian", "ttl_s": 3600.0, **create_options}
         self._hooks = CombinedDeploymentHook()
         self._client: AsyncClient | None = None
@@ -163,11 +169,12 @@ class ShoalDeployment(AbstractDeployment):
         if self._runtime is not None:
             return
         self._hooks.on_custom_step("Starting shoal sandbox")
-        self._client = await AsyncClient(**self._client_options).connect()
+        self._client = self._shared or await AsyncClient(**self._client_options).connect()
         try:
             sandbox = await self._client.create(**self._create_options)
         except BaseException:
-            await self._client.close()
+            if self._shared is None:
+                await self._client.close()
             self._client = None
             raise
         self._runtime = ShoalRuntime(sandbox, logger=self.logger)
@@ -180,7 +187,7 @@ class ShoalDeployment(AbstractDeployment):
                 await runtime.close()
                 await runtime.sandbox.close()
         finally:
-            if client is not None:
+            if client is not None and client is not self._shared:
                 await client.close()
 
     @property
