@@ -17,6 +17,7 @@ import msgspec
 from aiohttp import web
 
 from shoal import ops, settings
+from shoal.cluster import fusion
 from shoal.cluster.metrics import CONTENT_TYPE, node_metrics
 from shoal.config import parse_hostport
 from shoal.errors import (
@@ -81,7 +82,29 @@ async def _seen(request: web.Request, handler: Callable[[web.Request], Awaitable
 
 
 async def serve_node_http(server: Any, where: str, home: Any = None) -> Callable[[], Awaitable[None]]:
+    """/metrics and /healthz (public), and SandboxFusion's POST /run_code (cluster/fusion.py) behind the
+    node's tokens (the ones its TCP port takes: SHOAL_TCP with SHOAL_TOKENS)."""
+    from shoal.cluster.front import ProjectSession
+
     registry = node_metrics(server)
+
+    def authenticate(request: web.Request) -> None:
+        projects = getattr(server, "projects", None)
+        if projects is None:
+            raise AuthenticationError(
+                "this node takes no tokens, so its HTTP runs no code: start it with SHOAL_TCP and SHOAL_TOKENS"
+            )
+        session = ProjectSession(projects)
+        session.identity = projects.tokens.authenticate(fusion.token_of(request))
+        request["session"] = session
+
+    async def run_code(request: web.Request, args: dict[str, Any]) -> Any:
+        op = server.ops["fn_run_code"]
+
+        async def invoke(checked: dict[str, Any]) -> Any:
+            return await op.method(**op.arguments(checked))
+
+        return await request["session"].call("fn_run_code", args, invoke)
 
     async def metrics(_request: web.Request) -> web.Response:
         return web.Response(body=registry.render().encode(), headers={"Content-Type": CONTENT_TYPE})
@@ -89,8 +112,9 @@ async def serve_node_http(server: Any, where: str, home: Any = None) -> Callable
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "node_id": server.service.settings.node_id})
 
-    app = web.Application(middlewares=[_seen], client_max_size=1 << 16)
+    app = web.Application(middlewares=[_seen], client_max_size=MAX_BODY)
     app.add_routes([web.get("/metrics", metrics), web.get("/healthz", healthz)])
+    app.add_routes(fusion.routes(authenticate, run_code, _error))
     return await _start(app, where, None if home is None else Path(home) / "node.http")
 
 
@@ -126,8 +150,7 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
         if request.path in PUBLIC:
             return await handler(request)
         try:
-            header = request.headers.get("Authorization", "")
-            request["identity"] = gateway.tokens.authenticate(header.removeprefix("Bearer ").strip() or None)
+            request["identity"] = gateway.tokens.authenticate(fusion.token_of(request))
         except ShoalError as exc:
             return _error(exc)
         if request.content_length is not None and request.content_length > MAX_BODY:
@@ -216,7 +239,11 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
     async def openapi(_request: web.Request) -> web.Response:
         return web.json_response(OPENAPI)
 
+    async def run_code(request: web.Request, args: dict[str, Any]) -> Any:
+        return await dispatch(request, "fn_run_code", args)
+
     app = web.Application(middlewares=[_seen, authenticate], client_max_size=MAX_BODY)
+    app.add_routes(fusion.routes(lambda _request: None, run_code, _error))  # authenticated by the middleware
     app.add_routes(
         [
             web.post("/v1/sandboxes", create),
@@ -268,5 +295,8 @@ REST = {
         "put": _route("Write a file of sandbox {id} (raw body)", "file_write", query=["path"]),
     },
     "/v1/cluster": {"get": _route("The gateway's view of the cluster", "cluster_status")},
+    "/run_code": {
+        "post": _route("SandboxFusion's run_code: its RunCodeRequest in, its RunCodeResponse out", "fn_run_code")
+    },
 }
 OPENAPI: dict[str, Any] = ops.openapi(extra_paths=REST)  # generated from the operation table

@@ -1,0 +1,116 @@
+"""SandboxFusion's POST /run_code on the node's and the gateway's HTTP, called with the real `sandbox-fusion`
+client package (as code-RL reward functions call it) and with verl's request shape, on real nodes."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+
+import pytest
+import requests
+from conftest import no_leftovers
+from sandbox_fusion import RunCodeRequest, RunCodeResponse, SummaryMapping, run_code, summary_run_code_result
+
+from shoal.cluster.local import LocalCluster
+
+PROJECTS = {"alice": {}, "bob": {}}
+MAPPING = SummaryMapping(CompileFailed="compile failed", RunTimeout="timeout", RunFailed="run failed")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    lc = LocalCluster(tmp_path_factory.mktemp("fusion"), nodes=1, projects=PROJECTS, prefix="fu")
+    try:
+        lc.add_gateway()
+        yield lc
+    finally:
+        lc.stop()
+    for node in lc.nodes:
+        assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
+def _endpoints(lc: LocalCluster, project: str = "bob") -> list[str]:
+    """The node's and the gateway's HTTP, with the token where `requests` takes it (basic auth's password)."""
+    token = lc.project_tokens[project]
+    return [f"http://shoal:{token}@{lc.nodes[0].http}", f"http://shoal:{token}@{lc.gateways[0].http}"]
+
+
+def _run(endpoint: str, **request: object) -> RunCodeResponse:
+    return run_code(RunCodeRequest(**request), endpoint=endpoint, max_attempts=1, client_timeout=120)
+
+
+def test_languages_through_node_and_gateway(cluster: LocalCluster) -> None:
+    for endpoint in _endpoints(cluster):
+        py = _run(endpoint, code="import sys; print(sys.stdin.read().upper())", language="python", stdin="abc")
+        assert py.status == "Success" and py.message == "" and py.compile_result is None, py
+        assert py.run_result.status == "Finished" and py.run_result.return_code == 0
+        assert py.run_result.stdout == "ABC\n" and py.run_result.execution_time > 0
+        assert summary_run_code_result(py, MAPPING) == "Success"
+
+        cpp = _run(
+            endpoint,
+            code="#include <iostream>\nint main(){int a,b;std::cin>>a>>b;std::cout<<a+b<<std::endl;}",
+            language="cpp",
+            stdin="2 40",
+        )
+        assert cpp.status == "Success" and cpp.run_result.stdout == "42\n", cpp
+        assert cpp.compile_result.status == "Finished" and cpp.compile_result.return_code == 0
+
+        sh = _run(
+            endpoint,
+            code="cat in.txt; echo $((6*7)) > out.txt; echo oops >&2; exit 3",
+            language="bash",
+            files={"in.txt": base64.b64encode(b"given\n").decode()},
+            fetch_files=["out.txt"],
+        )
+        assert sh.status == "Failed" and sh.run_result.return_code == 3, sh
+        assert sh.run_result.stdout == "given\n" and sh.run_result.stderr == "oops\n"
+        assert base64.b64decode(sh.files["out.txt"]) == b"42\n"
+        assert summary_run_code_result(sh, MAPPING) == "run failed"
+
+
+def test_compile_errors_timeouts_and_memory_bombs(cluster: LocalCluster) -> None:
+    for endpoint in _endpoints(cluster):
+        bad = _run(endpoint, code="int main(){ return x; }", language="cpp")
+        assert bad.status == "Failed" and bad.run_result is None, bad
+        assert bad.compile_result.status == "Finished" and bad.compile_result.return_code != 0
+        assert "x" in bad.compile_result.stderr
+        assert summary_run_code_result(bad, MAPPING) == "compile failed"
+
+        slow = _run(endpoint, code="while True: pass", language="python", run_timeout=1)
+        assert slow.status == "Failed" and slow.run_result.status == "TimeLimitExceeded", slow
+        assert summary_run_code_result(slow, MAPPING) == "timeout"
+
+        # verl's reward helper posts this shape itself (memory_limit_MB is not in the client's model)
+        bomb = requests.post(
+            f"{endpoint}/run_code",
+            json={
+                "code": "x = []\nwhile True: x.append(bytearray(1 << 20))",
+                "language": "python",
+                "stdin": "",
+                "compile_timeout": 10,
+                "run_timeout": 30,
+                "memory_limit_MB": 64,
+                "files": {},
+                "fetch_files": [],
+            },
+            timeout=120,
+        ).json()
+        assert bomb["status"] == "Failed" and bomb["message"] == "memory limit exceeded", bomb
+        assert bomb["run_result"]["status"] == "Finished" and bomb["run_result"]["return_code"] != 0
+
+
+def test_tokens_and_bad_requests(cluster: LocalCluster) -> None:
+    for endpoint in _endpoints(cluster):
+        plain = "http://" + endpoint.partition("@")[2]
+        body = {"code": "print(1)", "language": "python"}
+        assert requests.post(f"{plain}/run_code", json=body, timeout=60).status_code == 401
+        wrong = requests.post(f"http://shoal:nope@{endpoint.partition('@')[2]}/run_code", json=body, timeout=60)
+        assert wrong.status_code == 401 and "unknown token" in wrong.text
+        bearer = {"Authorization": f"Bearer {cluster.project_tokens['alice']}"}
+        ok = requests.post(f"{plain}/run_code", json=body, headers=bearer, timeout=60).json()
+        assert ok["status"] == "Success" and ok["run_result"]["stdout"] == "1\n", ok
+        go = requests.post(f"{endpoint}/run_code", json={"code": "package main", "language": "go"}, timeout=60)
+        assert go.status_code == 200 and go.json()["status"] == "SandboxError" and "'go'" in go.json()["message"]
+        with pytest.raises(Exception, match="SandboxError|not supported"):
+            _run(endpoint, code="x", language="rust")
