@@ -245,3 +245,38 @@ async def test_a_container_refuses_a_memory_snapshot_before_touching_anything(tm
     with pytest.raises(InvalidRequestError, match="container sandboxes have no memory snapshots.*microvm/vm"):
         await substrate.create("x-1", SandboxSpec(), None, snapshot="snap-000000000000")  # type: ignore[arg-type]
     assert not (tmp_path / "sandboxes").exists()
+
+
+# ---------------------------------------------------------------- user arguments → resources
+
+
+def test_one_place_decides_memory_per_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shoal import resources
+
+    monkeypatch.setenv("SHOAL_FN_MEMORY_MB", "333")
+    assert resources.memory_mb("container", None, node_default=4096) == 4096
+    assert resources.memory_mb("container", None, node_default=0) is None  # the node's default turned off
+    assert resources.memory_mb("microvm", None) == 256 and resources.memory_mb("vm", None) == 512
+    assert resources.memory_mb("function", None) == 333
+    assert all(resources.memory_mb(kind, 99, 4096) == 99 for kind in ("container", "microvm", "vm", "function"))
+    assert resources.quota_cost({}) == (1.0, 512) and resources.quota_cost({"cpu": 2, "memory_mb": 64}) == (2.0, 64)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"cpu": 0}, "cpu=0 is impossible here: this node has 2 cores"),
+        ({"cpu": 3}, "cpu=3 is impossible here"),
+        ({"memory_mb": 4}, "memory_mb=4: a container needs at least 8 MB"),
+        ({"kind": "microvm", "memory_mb": 32}, "memory_mb=32: a microvm needs at least 64 MB"),
+        ({"memory_mb": 10_000}, "exceeds this node's 8000 MB"),
+        ({"pids": 1}, "pids=1: a sandbox needs at least 2"),
+        ({"disk_mb": 1}, "disk_mb=1 is below the minimum of 4 MB"),
+    ],
+)
+def test_resource_arguments_are_checked_with_the_bound_named(fields: dict, message: str) -> None:
+    from shoal import resources
+
+    with pytest.raises(InvalidRequestError, match=message):
+        resources.check(SandboxSpec(**fields), cores=2, total_mb=8000)
+    resources.check(SandboxSpec(cpu=2, memory_mb=8000, pids=2, disk_mb=4), cores=2, total_mb=8000)

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shoal import settings
+from shoal import resources, settings
 
 
 @dataclass(frozen=True)
@@ -90,11 +90,7 @@ class NodeSettings:
         )
 
 
-def default_memory_mb() -> int:
-    """4 GiB, or half the host's memory if that is less: one sandbox that names no memory_mb cannot take
-    the host down with it (and its neighbours and the node)."""
-    total_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
-    return min(4096, total_mb // 2)
+default_memory_mb = resources.container_default_memory_mb  # tests and the node use this name
 
 
 def default_cgroup_parent(home: Path | None) -> str:

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shoal import settings
+from shoal import resources, settings
 from shoal.errors import AuthenticationError, QuotaExceededError
 
 CLUSTER_ROLE = "@cluster"
 PROJECT_LABEL = "shoal.project"
 # what a sandbox without an explicit limit counts against its project's quota
-DEFAULT_CPU = 1.0
-DEFAULT_MEMORY_MB = 512
+DEFAULT_CPU = resources.QUOTA_CPU
+DEFAULT_MEMORY_MB = resources.QUOTA_MEMORY_MB
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,7 @@ class Usage:
         return {"sandboxes": self.sandboxes, "cpu": round(self.cpu, 3), "memory_mb": self.memory_mb}
 
 
-def cost(spec: dict[str, Any]) -> tuple[float, int]:
-    """The (cpu, memory_mb) a create request counts against its project."""
-    return float(spec.get("cpu") or DEFAULT_CPU), int(spec.get("memory_mb") or DEFAULT_MEMORY_MB)
+cost = resources.quota_cost  # what a create counts against its project's quota
 
 
 class Tokens:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Protocol
 
-from shoal import settings
+from shoal import resources, settings
 from shoal.errors import InvalidRequestError, SandboxLostError, SandboxNotFoundError
 from shoal.protocol import ExecRequest, ExecResult, FileEntry, OutputChunk, SandboxInfo, SandboxSpec
 from shoal.substrates.function import limits as call_limits
@@ -68,7 +68,6 @@ class FunctionHost(Protocol):
 log = logging.getLogger("shoal.functions")
 
 WORKDIR = "/work"
-DEFAULT_MEMORY_MB = settings.FN_MEMORY_MB.get()
 MAX_WORKERS = settings.FN_MAX_WORKERS.get() or max(4, 4 * (os.cpu_count() or 1))
 # Few on purpose: a fork copies the worker's page tables, so every MB imported costs every call (measured
 # here: ~0.15 ms per MB of anonymous memory). Calls import anything else themselves.
@@ -292,7 +291,7 @@ class FunctionService:
                     f"a Python function pickled by Python {check_python} cannot run under the image's Python "
                     f"{worker.python}: pass its source as a string instead, or use an image with Python {check_python}"
                 )
-            limits = CallLimits(memory_mb=spec.memory_mb or DEFAULT_MEMORY_MB, pids=spec.pids or 1024, cpu=spec.cpu)
+            limits = CallLimits(memory_mb=_memory_mb(spec), pids=spec.pids or 1024, cpu=spec.cpu)
             self.calls += 1
             timeouts = [step.get("timeout") for step in request["steps"]]
             kill_after = sum(timeouts) + KILL_GRACE_S * len(timeouts) if all(timeouts) else None
@@ -576,7 +575,7 @@ class FunctionService:
             self._budget(timeout),
             pickled_by=str(call.get("python") or "unknown") if "pickle" in python else None,
         )
-        return _call_outcome(reply["steps"][0], timeout, spec.memory_mb or DEFAULT_MEMORY_MB)
+        return _call_outcome(reply["steps"][0], timeout, _memory_mb(spec))
 
     async def run_code(
         self,
@@ -735,3 +734,8 @@ def _cloudpickle_files() -> list[tuple[str, bytes]]:
         return []
     root = Path(cloudpickle.__file__).parent
     return [(f"cloudpickle/{p.name}", p.read_bytes()) for p in sorted(root.glob("*.py"))]
+
+
+def _memory_mb(spec: SandboxSpec) -> int:
+    """A call's memory cap: its own, or SHOAL_FN_MEMORY_MB (shoal.resources holds every kind's default)."""
+    return resources.memory_mb("function", spec.memory_mb) or settings.FN_MEMORY_MB.get()

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from shoal import cgroups
+from shoal import cgroups, resources
 from shoal.config import NodeSettings, Paths, settings_env
 from shoal.errors import (
     CapacityError,
@@ -330,8 +330,9 @@ class NodeService:
         if spec.kind != "container":
             return spec
         changes: dict[str, int] = {}
-        if spec.memory_mb is None and self.settings.default_memory_mb > 0:
-            changes["memory_mb"] = self.settings.default_memory_mb
+        memory_mb = resources.memory_mb(spec.kind, spec.memory_mb, self.settings.default_memory_mb)
+        if memory_mb != spec.memory_mb:
+            changes["memory_mb"] = memory_mb
         if spec.disk_mb is None and self.settings.default_disk_mb > 0:
             changes["disk_mb"] = self.settings.default_disk_mb
         return msgspec.structs.replace(spec, **changes) if changes else spec
@@ -340,22 +341,10 @@ class NodeService:
         if spec.kind not in self.substrates and spec.kind != "function":
             known = "unknown kind" if spec.kind not in KINDS else "not available on this node yet"
             raise UnsupportedKindError(f"kind {spec.kind!r}: {known}; kinds available here: {', '.join(self.kinds())}")
-        cores = os.cpu_count() or 1
-        if spec.cpu is not None and not 0 < spec.cpu <= cores:
-            raise InvalidRequestError(f"cpu={spec.cpu} is impossible here: this node has {cores} cores")
-        if spec.memory_mb is not None and spec.memory_mb < MIN_MEMORY_MB:
-            raise InvalidRequestError(f"memory_mb={spec.memory_mb} is below the minimum of {MIN_MEMORY_MB} MB")
-        if spec.memory_mb is not None:
-            total_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
-            if spec.memory_mb > total_mb:
-                raise InvalidRequestError(f"memory_mb={spec.memory_mb} exceeds this node's {total_mb} MB")
-        if spec.pids is not None and spec.pids < 2:
-            raise InvalidRequestError(f"pids={spec.pids}: a sandbox needs at least 2 (its agent and one command)")
+        resources.check(spec)
         if spec.ttl_s is not None and spec.ttl_s <= 0:
             raise InvalidRequestError(f"ttl_s={spec.ttl_s} must be positive (or None for no limit)")
         network.normalise(spec.network)
-        if spec.disk_mb is not None and spec.disk_mb < MIN_DISK_MB:
-            raise InvalidRequestError(f"disk_mb={spec.disk_mb} is below the minimum of {MIN_DISK_MB} MB")
         if spec.idle_timeout_s is not None and spec.idle_timeout_s <= 0:
             raise InvalidRequestError(f"idle_timeout_s={spec.idle_timeout_s} must be positive (or None)")
         if spec.on_timeout not in ON_TIMEOUT:

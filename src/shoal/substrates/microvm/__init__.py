@@ -7,7 +7,6 @@ from shoal.substrates.qemu.substrate import QemuSubstrate
 class MicrovmSubstrate(QemuSubstrate):
     kind = "microvm"
     machine_type = "q35"
-    default_memory_mb = 256
     boot_mode = "microvm"
 
     def machine_for(self, accel: str) -> str:

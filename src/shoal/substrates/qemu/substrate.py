@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal import settings
+from shoal import resources, settings
 from shoal.errors import ImageError, InvalidRequestError, NotFoundError, SandboxLostError
 from shoal.guest import AgentClient
 from shoal.images import Image
@@ -70,7 +70,6 @@ class QemuSubstrate(Substrate):
     # No disk cap (disk_mb) yet; no re-adoption: the agent bridge dies with the node process.
     capabilities = Capabilities(pause=True, memory_snapshots=True)
     machine_type = "q35"
-    default_memory_mb = 256
     boot_mode = "microvm"
 
     def __init__(self, home: Path, sandboxes_dir: Path, cache: Path | None = None) -> None:
@@ -101,7 +100,7 @@ class QemuSubstrate(Substrate):
         accel = await self.accel()
         boot = await asyncio.to_thread(ensure_boot_files, self.cache)
         cpus = max(1, math.ceil(spec.cpu)) if spec.cpu else 1
-        memory = spec.memory_mb or self.default_memory_mb
+        memory = resources.memory_mb(self.kind, spec.memory_mb)
         if memory < 64:
             raise InvalidRequestError(f"memory_mb={memory}: a {self.kind} needs at least 64 MB")
         machine = self.machine_for(accel.name)

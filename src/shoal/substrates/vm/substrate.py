@@ -22,7 +22,6 @@ def _has_systemd(image: Image) -> bool:
 class VmSubstrate(QemuSubstrate):
     kind = "vm"
     machine_type = "q35"
-    default_memory_mb = 512
     boot_mode = "vm"
 
     async def base_disk(self, image: Image) -> Path:
