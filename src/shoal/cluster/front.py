@@ -108,7 +108,7 @@ async def serve_network(server: NodeServer, paths: Any, stop: asyncio.Event) -> 
     if http_where:
         from shoal.cluster.http import serve_node_http
 
-        closers.append(await serve_node_http(server, http_where, paths.home))
+        closers.append(await serve_node_http(server, http_where, paths.home, ProjectSession))
     parent = PARENT_PID.get()
     if parent:
 

@@ -81,11 +81,12 @@ async def _seen(request: web.Request, handler: Callable[[web.Request], Awaitable
     return await handler(request)
 
 
-async def serve_node_http(server: Any, where: str, home: Any = None) -> Callable[[], Awaitable[None]]:
+async def serve_node_http(
+    server: Any, where: str, home: Any = None, session: Callable[[Any], Any] | None = None
+) -> Callable[[], Awaitable[None]]:
     """/metrics and /healthz (public), and SandboxFusion's POST /run_code (cluster/fusion.py) behind the
-    node's tokens (the ones its TCP port takes: SHOAL_TCP with SHOAL_TOKENS)."""
-    from shoal.cluster.front import ProjectSession
-
+    node's tokens (the ones its TCP port takes: SHOAL_TCP with SHOAL_TOKENS). `session(projects)` makes the
+    per-request project session (cluster/front.py passes its ProjectSession; front imports this module)."""
     registry = node_metrics(server)
 
     def authenticate(request: web.Request) -> None:
@@ -94,9 +95,11 @@ async def serve_node_http(server: Any, where: str, home: Any = None) -> Callable
             raise AuthenticationError(
                 "this node takes no tokens, so its HTTP runs no code: start it with SHOAL_TCP and SHOAL_TOKENS"
             )
-        session = ProjectSession(projects)
-        session.identity = projects.tokens.authenticate(fusion.token_of(request))
-        request["session"] = session
+        if session is None:
+            raise AuthenticationError("this node's HTTP was started without project sessions, so it runs no code")
+        checked = session(projects)
+        checked.identity = projects.tokens.authenticate(fusion.token_of(request))
+        request["session"] = checked
 
     async def run_code(request: web.Request, args: dict[str, Any]) -> Any:
         op = server.ops["fn_run_code"]
