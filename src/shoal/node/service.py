@@ -40,6 +40,7 @@ from shoal.node import network, recovery
 from shoal.node.functions import FunctionService
 from shoal.node.images import NodeImages
 from shoal.node.lifecycle import ON_TIMEOUT, Lifecycle
+from shoal.node.logs import FUNCTION_OPS, TrajectoryQueries
 from shoal.node.pools import WarmPools
 from shoal.node.sandbox import Sandbox, State
 from shoal.node.shell import ShellSession
@@ -64,12 +65,6 @@ log = logging.getLogger("shoal.node")
 
 Emit = Callable[[Any], Awaitable[None]]
 MIN_MEMORY_MB = 8
-# A function sandbox has no process of its own between calls: what needs one says so, and names what works.
-FUNCTION_OPS = (
-    "sandbox {sandbox_id} is a function sandbox: it has no long-lived process, so it cannot be paused, "
-    "snapshotted, forked, given a shell or a network policy, and keeps no step log (attach, log, replay); "
-    "it supports exec, files, keepalive, get and kill. Use kind='container' (or microvm/vm) for the rest"
-)
 MIN_DISK_MB = 4
 KILL_GRACE_S = 2.0
 NODE_RESTARTED = "its node process died (its sandboxes with it) and was restarted"
@@ -102,6 +97,7 @@ class NodeService:
         self._reaper: asyncio.Task | None = None
         self.functions = FunctionService(self)
         self.trajectory = TrajectoryLog(paths.home / "trajectory.db")
+        self.logs = TrajectoryQueries(self.trajectory, self.sandboxes, settings.node_id, self.functions.owns)
         self.recorder = Recorder(self.trajectory)
         self.lifecycle = Lifecycle(self)
         self.adopted: list[str] = []
@@ -1116,57 +1112,23 @@ class NodeService:
             },
         }
 
-    # ---------------------------------------------------------------- trajectory log
-
-    def _log_owner(self, target: str) -> str:
-        """A sandbox ID (live or ended) or a trajectory name, resolved to the sandbox ID whose log it is."""
-        if target in self.sandboxes or self.trajectory.sandbox(target) is not None:
-            return target
-        if self.functions.owns(target):
-            raise UnsupportedKindError(FUNCTION_OPS.format(sandbox_id=target))
-        row = self.trajectory.by_trajectory(target)
-        if row is None:
-            raise SandboxNotFoundError(f"no trajectory log for {target!r} on node {self.settings.node_id}")
-        return row["id"]
+    # ---------------------------------------------------------------- trajectory log (node/logs.py)
 
     async def trajectory_find(self, target: str) -> list[dict[str, Any]]:
-        """Where `target` (a sandbox ID or a trajectory name) lives on this node: [] if nowhere, else one
-        entry {"sandbox_id", "trajectory", "status" (live|closed|lost), "project"} (the gateway asks every
-        node, so a name resolves to the node that holds it whatever the node set was when it was made)."""
-        live = self.sandboxes.get(target)
-        if live is None:
-            live = next((sb for sb in self.sandboxes.values() if sb.spec.trajectory == target), None)
-        if live is not None:
-            row: dict[str, Any] | None = {"id": live.id, "trajectory": live.spec.trajectory, "status": "live",
-                                          "spec": {"labels": live.spec.labels}}  # fmt: skip
-        else:
-            row = self.trajectory.sandbox(target) or self.trajectory.by_trajectory(target)
-        if row is None:
-            return []
-        labels = (row.get("spec") or {}).get("labels") or {}
-        return [{"sandbox_id": row["id"], "trajectory": row["trajectory"], "status": row["status"],
-                 "project": labels.get("shoal.project", ""), "node_id": self.settings.node_id}]  # fmt: skip
+        """Where `target` (a sandbox ID or a trajectory name) lives on this node (see TrajectoryQueries.find)."""
+        return self.logs.find(target)
 
     async def log_steps(
         self, target: str, since: int = 0, limit: int = 1000, max_bytes: int = 16 << 20
     ) -> dict[str, Any]:
-        """A page of the trajectory log of a sandbox (by ID or trajectory name): its record and up to `limit`
-        steps from `since` in order (fewer if they hold more than `max_bytes`; always at least one)."""
-        sandbox_id = self._log_owner(target)
-        steps: list[dict[str, Any]] = []
-        size = 0
-        for step in self.trajectory.steps(sandbox_id, since):
-            size += step.size
-            if len(steps) >= limit or (steps and size > max_bytes):
-                break
-            steps.append({**step.to_dict(), "summary": step.describe()})
-        return {"sandbox": self.trajectory.sandbox(sandbox_id), "steps": steps}
+        """A page of the trajectory log of a sandbox (by ID or trajectory name)."""
+        return self.logs.page(target, since, limit, max_bytes)
 
     async def replay(self, target: str, image: str | None = None, keep: bool = False) -> dict[str, Any]:
         """Re-run a recorded trajectory in a fresh sandbox; report each step whose outcome differs."""
         from shoal.node.replay import replay
 
-        return await replay(self, self._log_owner(target), image, keep)
+        return await replay(self, self.logs.owner(target), image, keep)
 
 
 def _stored_spec(spec: SandboxSpec) -> dict[str, Any]:
