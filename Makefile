@@ -30,8 +30,9 @@ venv: $(VENV)/.installed
 agent: venv
 	@$(PY) -c "from shoal.guest import agent_binary_path; print('agent:', agent_binary_path())"
 
+# desktop (Xvfb + xterm + xdotool + python3-xlib, for tests/test_gui.py): about 4 minutes on a loaded 2-core machine
 images: venv vm-images
-	@$(PY) -m shoal.images.builtin busybox debian debian-dev
+	@$(PY) -m shoal.images.builtin busybox debian debian-dev desktop
 
 # microvm/vm: Debian's kernel (apt-get download, unpacked into SHOAL_VM_CACHE), the initramfs, the systemd
 # Debian root for `vm`, and the accelerator probe (KVM if a guest really boots under it, else TCG).

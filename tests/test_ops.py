@@ -165,6 +165,7 @@ ARGS: dict[str, Args] = {
     "shell_run": lambda c, sb, x: {"shell_id": _shell(c, sb), "cmd": "echo ops"},
     "shell_close": lambda c, sb, x: {"shell_id": _shell(c, sb)},
     "sandbox_snapshot": lambda c, sb, x: {"sandbox_id": sb, "name": f"ops-snap-{x['transport']}"},
+    "gui": lambda c, sb, x: {"sandbox_id": sb, "action": "screenshot"},
     "log_steps": lambda c, sb, x: {"target": sb},
     "replay": lambda c, sb, x: {"target": sb},
     "vm_snapshot": lambda c, sb, x: {"sandbox_id": sb},
@@ -193,6 +194,7 @@ ARGS: dict[str, Args] = {
 RAISES: dict[str, type[Exception]] = {
     "vm_snapshot": shoal.InvalidRequestError,  # a container has no memory snapshot
     "fork": shoal.InvalidRequestError,
+    "gui": shoal.NoScreenError,  # the sandbox here has no screen (tests/test_gui.py drives a desktop)
     "image_rm": shoal.NotFoundError,
     "image_import": shoal.ShoalError,
     "image_pull": shoal.ImageError,  # nothing listens on port 1

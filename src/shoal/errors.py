@@ -15,6 +15,10 @@ class UnsupportedKindError(InvalidRequestError):
     """The sandbox kind is unknown or not available on this node."""
 
 
+class NoScreenError(InvalidRequestError):
+    """A GUI action on a sandbox that has no screen (create it with screen=(w, h), e.g. image='desktop')."""
+
+
 class NotFoundError(ShoalError, LookupError):
     """Something named in the request does not exist."""
 
@@ -84,6 +88,7 @@ ERROR_TYPES: dict[str, type[ShoalError]] = {
         ShoalError,
         InvalidRequestError,
         UnsupportedKindError,
+        NoScreenError,
         NotFoundError,
         SandboxNotFoundError,
         ImageError,

@@ -178,6 +178,9 @@ _op("shell_run", SANDBOX, {"shell_id": str, "cmd": str, "timeout": (float | None
 _op("shell_close", SANDBOX, {"shell_id": str}, None, "Close a persistent shell.", sandbox_arg="shell_id")
 _op("sandbox_snapshot", SANDBOX, {"sandbox_id": str, "name": str, "seq": (SEQ, None)}, JSON,
     "Commit a container's writes as image `name`.", step=True)
+_op("gui", SANDBOX, {"sandbox_id": str, "action": str, "args": (JSON | None, None), "seq": (SEQ, None)}, JSON,
+    "A GUI action on a sandbox's screen (screenshot, click, move, drag, scroll, type, key, cursor, "
+    "wait_for_change); NoScreenError without one.", step=True)
 
 # ---------------------------------------------------------------- trajectories
 _op("log_steps", TARGET, {"target": str, "since": (int, 0), "limit": (int, 1000), "max_bytes": (int, 16 << 20)},

@@ -53,13 +53,15 @@ class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     trajectory: str | None = None  # late-bound: a name; create() with a live trajectory's name attaches
     record: bool = True  # late-bound: log every step (durably, before its result returns)
     snapshot: str | None = None  # microvm/vm: restore this snapshot (memory + disk) instead of booting
+    screen: list[int] | None = None  # [width, height]: start an X display (image 'desktop' defaults to 1280x800)
 
     def pool_key(self) -> str:
         """Sandboxes that differ only in late-bound fields share a warm pool."""
         cpu = "" if self.cpu is None else f"{self.cpu:g}"
         image = "+".join([self.image, *self.layers])
         disk = f":disk={self.disk_mb}" if self.disk_mb else ""
-        return f"{self.kind}:{image}:{self.runtime}:cpu={cpu}:mem={self.memory_mb}:pids={self.pids}{disk}"
+        screen = f":screen={self.screen[0]}x{self.screen[1]}" if self.screen else ""
+        return f"{self.kind}:{image}:{self.runtime}:cpu={cpu}:mem={self.memory_mb}:pids={self.pids}{disk}{screen}"
 
 
 class SandboxInfo(msgspec.Struct, kw_only=True):

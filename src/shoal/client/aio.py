@@ -15,6 +15,7 @@ from typing import Any
 
 from shoal import ops, protocol, settings
 from shoal.client import functions, localfs, tartree
+from shoal.client.gui import AsyncGui
 from shoal.client.image import ImageBuilder
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.client.transport import Connection
@@ -230,6 +231,7 @@ class AsyncClient:
         snapshot: str | None = None,
         preimport: Sequence[str] | None = None,
         owner: str | None = None,
+        screen: tuple[int, int] | None = None,
     ) -> AsyncSandbox:
         """Create a sandbox (from a warm pool when one matches) and return a handle on it.
 
@@ -263,6 +265,8 @@ class AsyncClient:
             snapshot: microvm/vm: restore this snapshot (memory and disk) instead of booting.
             preimport: function kind: modules its warm workers import before forking calls.
             owner: who made it, shown by `list`; default this client's owner (user@host).
+            screen: (width, height) of an X display started with it, driven through `sb.gui`; image
+                "desktop" has one of 1280x800 by default.
         """
         options: dict[str, Any] = {
             "layers": list(layers or []), "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb, "pids": pids,
@@ -270,7 +274,7 @@ class AsyncClient:
             "env": env or {}, "workdir": workdir, "user": user, "labels": labels or {}, "files": files or {},
             "network": network, "output_cap_bytes": output_cap_bytes, "pool": pool, "trajectory": trajectory,
             "record": record, "snapshot": snapshot, "preimport": list(preimport or []),
-            "owner": owner or self.owner,
+            "owner": owner or self.owner, "screen": list(screen) if screen else None,
         }  # fmt: skip
         spec = _spec(kind, image, options)
 
@@ -541,6 +545,7 @@ class AsyncSandbox:
         self.info = info
         self.id = info.id
         self.files = AsyncFiles(self)
+        self.gui = AsyncGui(self)
         self.seq = seq  # the next step's sequence number in the trajectory log; None: append at the end
         self.fast_forwarded = 0  # steps this handle answered from the log
         self._log_end = info.steps if seq is not None else 0  # steps below this may be in the log

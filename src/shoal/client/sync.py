@@ -19,6 +19,7 @@ from shoal.client.aio import (
     ReplayReport,
 )
 from shoal.client.functions import RunCodeResult
+from shoal.client.gui import Gui
 from shoal.client.image import ImageBuilder
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.protocol import OutputChunk
@@ -114,6 +115,7 @@ class Client:
         snapshot: str | None = None,
         preimport: Sequence[str] | None = None,
         owner: str | None = None,
+        screen: tuple[int, int] | None = None,
     ) -> Sandbox:
         # the docstring is AsyncClient.create's (carried below), with the same signature
         options = {k: v for k, v in locals().items() if k not in ("self", "kind", "image")}
@@ -218,6 +220,7 @@ class Sandbox:
         self._inner = inner
         self.id = inner.id
         self.files = Files(client, inner.files)
+        self.gui = Gui(client._run, inner.gui)
 
     @property
     def info(self) -> SandboxInfo:

@@ -1,5 +1,6 @@
 """Builders of the images shoal ships: `busybox` (tiny, instant), `debian` (minbase via mmdebstrap) and
-`debian-dev` (debian plus the C and C++ toolchains, for `run_code`)."""
+`debian-dev` (debian plus the C and C++ toolchains, for `run_code`) and `desktop` (debian plus an X server
+and the tools a GUI agent drives it with; see node/gui.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,18 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEBIAN_SUITE = settings.DEBIAN_SUITE.get()
 DEBIAN_PACKAGES = ["bash", "coreutils", "python3", "ca-certificates", "procps"]
 DEBIAN_DEV_PACKAGES = [*DEBIAN_PACKAGES, "gcc", "g++", "libc6-dev"]
+# Small on purpose (no window manager, no browser): Xvfb, a terminal, xdotool/xwd for hand-driving, and
+# python3-xlib for the in-sandbox GUI helper (XTest input, GetImage screenshots) the node talks to.
+DESKTOP_PACKAGES = [
+    *DEBIAN_PACKAGES,
+    "xvfb",
+    "xfonts-base",
+    "xterm",
+    "xdotool",
+    "x11-utils",
+    "x11-apps",
+    "python3-xlib",
+]
 
 _SKELETON_DIRS = ["proc", "sys", "dev", "tmp", "etc", "root", "work", "run", "var/tmp", ".shoal"]
 _PASSWD = "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
@@ -76,6 +89,13 @@ def build_debian_dev(rootfs: Path) -> ImageConfig:
     return build_debian(rootfs, DEBIAN_DEV_PACKAGES)
 
 
+def build_desktop(rootfs: Path) -> ImageConfig:
+    """`debian` plus Xvfb, xterm, xdotool, x11-utils/x11-apps and python3-xlib: a screen for GUI agents."""
+    config = build_debian(rootfs, DESKTOP_PACKAGES)
+    config.env["DISPLAY"] = ":0"
+    return config
+
+
 def _host_apt_sources() -> list[str]:
     """The host's apt source files (mmdebstrap reads .list and .sources files given as mirrors)."""
     found = sorted(str(p) for p in Path("/etc/apt/sources.list.d").glob("*.sources"))
@@ -90,6 +110,7 @@ def register_builtins(store: ImageStore) -> ImageStore:
     store.register_builtin("busybox", build_busybox)
     store.register_builtin("debian", build_debian)
     store.register_builtin("debian-dev", build_debian_dev)
+    store.register_builtin("desktop", build_desktop)
     return store
 
 

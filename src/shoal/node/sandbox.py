@@ -6,6 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from shoal.guest import AgentClient
 from shoal.images import Image
@@ -40,6 +41,7 @@ class Sandbox:
     last_active: float = field(default_factory=time.time)  # for idle_timeout_s
     busy: int = 0  # requests in progress (an idle timer does not run while a command does)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises pause, resume and snapshot
+    screen: Any = None  # node.gui.Screen: its display's helper, when it has a screen
 
     @property
     def env(self) -> dict[str, str]:

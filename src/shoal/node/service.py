@@ -36,7 +36,7 @@ from shoal.errors import (
 from shoal.guest import AgentClient, AgentError
 from shoal.images import Image, ImageStore
 from shoal.images.builtin import register_builtins
-from shoal.node import network, recovery
+from shoal.node import gui, network, recovery
 from shoal.node.functions import FunctionService
 from shoal.node.images import NodeImages
 from shoal.node.lifecycle import ON_TIMEOUT, Lifecycle
@@ -345,6 +345,10 @@ class NodeService:
             raise InvalidRequestError(f"idle_timeout_s={spec.idle_timeout_s} must be positive (or None)")
         if spec.on_timeout not in ON_TIMEOUT:
             raise InvalidRequestError(f"on_timeout={spec.on_timeout!r}: choose one of {', '.join(ON_TIMEOUT)}")
+        if gui.screen_of(spec.image, spec.screen) is not None and spec.kind != "container":
+            raise InvalidRequestError(
+                f"screen: GUI sandboxes are containers for now (kind='container', image='desktop'), not {spec.kind}"
+            )
         if spec.snapshot is not None:
             substrate = self.substrates[spec.kind]
             if not substrate.capabilities.memory_snapshots:
@@ -387,8 +391,11 @@ class NodeService:
             try:
                 instance = await substrate.create(sandbox_id, spec, image, snapshot=spec.snapshot)
                 agent = AgentClient(str(instance.agent_socket))
+                screen = None
                 try:
                     await asyncio.wait_for(agent.hello(), 10)
+                    if (size := gui.screen_of(spec.image, spec.screen)) is not None:
+                        screen = await gui.Screen.start(agent, *size)
                 except BaseException:
                     await asyncio.shield(substrate.destroy(instance))
                     raise
@@ -397,7 +404,7 @@ class NodeService:
                 raise
         finally:
             self._creating -= 1
-        return Sandbox(id=sandbox_id, spec=spec, image=image, instance=instance, agent=agent)
+        return Sandbox(id=sandbox_id, spec=spec, image=image, instance=instance, agent=agent, screen=screen)
 
     async def image_named(self, name: str) -> Image:
         """Image `name` from the store (built first if it is a builtin); its layers are not mounted."""
@@ -465,6 +472,8 @@ class NodeService:
 
     async def _destroy_now(self, sandbox: Sandbox) -> None:
         try:
+            if sandbox.screen is not None:
+                await sandbox.screen.close()
             await self.substrates[sandbox.spec.kind].destroy(sandbox.instance)
         finally:
             await self.network.detach(sandbox.id)
@@ -1068,6 +1077,18 @@ class NodeService:
         self, name: str, reference: str, auth: str | None = None, emit: Emit | None = None
     ) -> dict[str, Any]:
         return await self.node_images.push(name, reference, auth, emit)
+
+    async def gui(
+        self, sandbox_id: str, action: str, args: dict[str, Any] | None = None, seq: int | None = None
+    ) -> dict[str, Any]:
+        """One GUI action on the sandbox's screen (node/gui.py); a logged step like exec."""
+        if self.functions.owns(sandbox_id):
+            raise gui.no_screen(sandbox_id, "function")
+        sandbox = self._get(sandbox_id)
+        if sandbox.screen is None:
+            raise gui.no_screen(sandbox_id, sandbox.spec.kind)
+        run = functools.partial(sandbox.screen.act, action, dict(args or {}))
+        return await self._step(sandbox, "gui", {"action": action, "args": args}, seq, run)
 
     async def sandbox_snapshot(self, sandbox_id: str, name: str, seq: int | None = None) -> dict[str, Any]:
         """Commit the sandbox's writes as a new image `name` (its image plus one layer); a logged step."""

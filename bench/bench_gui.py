@@ -1,0 +1,151 @@
+"""GUI sandbox benchmark: `sb.gui` beside the raw X tools run in the same Xvfb, in one run.
+
+    python bench/bench_gui.py [--quick]
+
+(a) screenshot: sb.gui.screenshot() (helper GetImage -> host PNG) vs `xwd -root` run inside the sandbox
+    (timed in the sandbox, so without any shoal overhead) and vs sb.exec(["xwd", ...]) (a process per shot);
+(b) click -> changed pixels: click into the xterm, type a key, poll until the screen differs;
+    raw: `xdotool key` timed in the sandbox; (c) input round trip: sb.gui.move vs `xdotool mousemove`;
+(d) desktop create: cold (Xvfb + xterm start) and claimed from a warm pool;
+(e) memory per idle desktop (its cgroup) and the node's share.
+CPU-ms per op is the node's CPU time (user+sys) over the row divided by its ops. The machine is shared:
+compare rows within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import BenchNode, summary  # noqa: E402
+from bench_container import cgroup_memory_mb, rss_mb  # noqa: E402
+
+import shoal  # noqa: E402
+
+IMAGE = "desktop"
+RAW_LOOP = r"""
+import json, subprocess, sys, time
+cmd, n = json.loads(sys.argv[1]), int(sys.argv[2])
+out = []
+for _ in range(n):
+    t = time.perf_counter()
+    subprocess.run(cmd, stdout=subprocess.DEVNULL, check=True)
+    out.append(time.perf_counter() - t)
+print(json.dumps(out))
+"""
+
+
+def node_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks of 10 ms
+
+
+async def raw_in_sandbox(sb: shoal.AsyncSandbox, cmd: list[str], n: int) -> list[float]:
+    r = await sb.exec(["python3", "-c", RAW_LOOP, json.dumps(cmd), str(n)], env={"DISPLAY": ":0"}, timeout=600)
+    assert r.exit_code == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+async def timed(n: int, pid: int, op) -> tuple[list[float], float]:  # noqa: ANN001
+    seconds, cpu = [], node_cpu_s(pid)
+    for _ in range(n):
+        t = time.perf_counter()
+        await op()
+        seconds.append(time.perf_counter() - t)
+    return seconds, (node_cpu_s(pid) - cpu) * 1e3 / n
+
+
+def row(name: str, seconds: list[float], cpu_ms: float | None = None) -> str:
+    return summary(name, seconds) + (f"  node CPU {cpu_ms:.1f} ms/op" if cpu_ms is not None else "")
+
+
+async def click_to_change(sb: shoal.AsyncSandbox, n: int) -> list[float]:
+    await sb.gui.click(200, 100)
+    seconds = []
+    for i in range(n):
+        await sb.gui.screenshot()  # the reference wait_for_change compares against
+        t = time.perf_counter()
+        await sb.gui.key("a" if i % 2 == 0 else "BackSpace")
+        changed = await sb.gui.wait_for_change(
+            timeout=10,
+        )
+        seconds.append(time.perf_counter() - t)
+        assert changed, "the screen did not change after a key press"
+    return seconds
+
+
+async def main(args: argparse.Namespace) -> None:
+    node = BenchNode("gui")
+    n = 30 if args.quick else 100
+    try:
+        async with shoal.AsyncClient() as client:
+            pid = (await client.status())["pid"]
+            t = time.perf_counter()
+            sb = await client.create(image=IMAGE, pool=False, ttl_s=1800)
+            print(f"shoal GUI benchmark — image {IMAGE} 1280x800, {n} iterations per row "
+                  f"(first create, image cached: {time.perf_counter() - t:.2f} s)\n")  # fmt: skip
+            try:
+                await sb.gui.wait_for_change(timeout=10)  # the xterm has drawn
+                print("(a) screenshot of 1280x800")
+                shots, cpu = await timed(n, pid, sb.gui.screenshot)
+                size = len((await sb.gui.screenshot()).png)
+                print(row(f"shoal sb.gui.screenshot() (PNG {size >> 10} KiB)", shots, cpu))
+                print(
+                    row(
+                        "raw xwd -root, timed inside the sandbox",
+                        await raw_in_sandbox(sb, ["xwd", "-root", "-silent"], n),
+                    )
+                )
+                execs, cpu = await timed(n, pid, lambda: sb.exec(["xwd", "-root", "-silent"], env={"DISPLAY": ":0"}))
+                print(row("shoal sb.exec(['xwd', '-root']) (XWD, no PNG)", execs, cpu))
+                print("\n(b) key press -> changed pixels")
+                print(row("shoal gui.key + gui.wait_for_change", await click_to_change(sb, max(10, n // 3))))
+                print("\n(c) input round trip")
+                moves, cpu = await timed(n, pid, lambda: sb.gui.move(300, 300))
+                print(row("shoal sb.gui.move()", moves, cpu))
+                raw = await raw_in_sandbox(sb, ["xdotool", "mousemove", "300", "300"], n)
+                print(row("raw xdotool mousemove, timed inside the sandbox", raw))
+            finally:
+                await sb.close()
+            print("\n(d) desktop create")
+            cold = []
+            for _ in range(max(5, n // 10)):
+                t = time.perf_counter()
+                one = await client.create(image=IMAGE, pool=False, ttl_s=600)
+                cold.append(time.perf_counter() - t)
+                await one.close()
+            print(row("cold create (container + Xvfb + xterm ready)", cold))
+            warm_n = max(5, n // 10)
+            await client.set_pool("container", IMAGE, warm_n, wait=True)
+            claims = []
+            for _ in range(warm_n):
+                t = time.perf_counter()
+                await client.create(image=IMAGE, labels={"bench": "gui-claim"}, ttl_s=600)
+                claims.append(time.perf_counter() - t)
+            await client.set_pool("container", IMAGE, 0)
+            await client.close_all(labels={"bench": "gui-claim"})
+            print(row("create from a warm pool", claims))
+            print("\n(e) memory per idle desktop")
+            before = rss_mb(pid)
+            idle = await client.create_many(5, image=IMAGE, pool=False, labels={"bench": "gui-idle"}, ttl_s=600)
+            live = [s for s in idle if isinstance(s, shoal.AsyncSandbox)]
+            await asyncio.sleep(3)
+            charged = statistics.mean(cgroup_memory_mb(s.id) for s in live)
+            share = (rss_mb(pid) - before) / max(1, len(live))
+            print(f"  per idle desktop: {charged:.1f} MiB charged to its cgroup + {share:.2f} MiB of node memory "
+                  f"({len(live)} live)")  # fmt: skip
+            await client.close_all(labels={"bench": "gui-idle"})
+    finally:
+        node.stop()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    asyncio.run(main(parser.parse_args()))

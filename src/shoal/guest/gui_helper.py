@@ -1,0 +1,174 @@
+"""The in-sandbox GUI helper: starts the X display and serves GUI actions over stdin/stdout.
+
+The node writes this file into a sandbox with a screen and runs it once, as one long-lived process (so an
+action costs a pipe round trip, not a process start): it starts Xvfb on :0 at the requested size and an
+xterm, then answers one JSON request per stdin line with a frame on stdout: u32 length + JSON header, u32
+length + blob (a screenshot's raw 32-bit pixels; PNG encoding happens on the host, where zlib is at hand).
+Input goes through the XTest extension (python3-xlib), as xdotool does. It runs under the sandbox's python3,
+so it imports nothing from shoal.
+"""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+
+from Xlib import XK, X, display
+from Xlib.error import DisplayError
+from Xlib.ext import xtest
+
+BUTTONS = {"left": 1, "middle": 2, "right": 3}
+ALIASES = {
+    "ctrl": "Control_L", "control": "Control_L", "shift": "Shift_L", "alt": "Alt_L", "super": "Super_L",
+    "meta": "Meta_L", "enter": "Return", "return": "Return", "esc": "Escape", "escape": "Escape",
+    "tab": "Tab", "backspace": "BackSpace", "delete": "Delete", "space": "space", "up": "Up", "down": "Down",
+    "left": "Left", "right": "Right", "home": "Home", "end": "End", "pageup": "Prior", "pagedown": "Next",
+}  # fmt: skip
+CHARS = {"\n": "Return", "\t": "Tab", " ": "space"}
+
+
+def start(width: int, height: int) -> display.Display:
+    quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    if not os.path.exists("/tmp/.X11-unix/X0"):
+        subprocess.Popen(["Xvfb", ":0", "-screen", "0", f"{width}x{height}x24", "-nolisten", "tcp", "-ac"], **quiet)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            d = display.Display(":0")
+            break
+        except (DisplayError, OSError, ConnectionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    env = {**os.environ, "DISPLAY": ":0"}
+    subprocess.Popen(["xterm", "-geometry", "100x30+0+0"], env=env, cwd="/root", **quiet)
+    return d
+
+
+class Gui:
+    def __init__(self, d: display.Display) -> None:
+        self.d = d
+        self.root = d.screen().root
+        geometry = self.root.get_geometry()
+        self.width, self.height = geometry.width, geometry.height
+        self.spare: int | None = None
+
+    def screenshot(self) -> tuple[dict, bytes]:
+        image = self.root.get_image(0, 0, self.width, self.height, X.ZPixmap, 0xFFFFFFFF)
+        return {"width": self.width, "height": self.height, "depth": image.depth}, image.data
+
+    def move(self, x: int, y: int) -> None:
+        xtest.fake_input(self.d, X.MotionNotify, x=int(x), y=int(y))
+        self.d.sync()
+
+    def _button(self, button: int, count: int = 1) -> None:
+        for _ in range(count):
+            xtest.fake_input(self.d, X.ButtonPress, button)
+            xtest.fake_input(self.d, X.ButtonRelease, button)
+        self.d.sync()
+
+    def click(self, x: int, y: int, button: str = "left", double: bool = False) -> None:
+        if button not in BUTTONS:
+            raise ValueError(f"button {button!r}: choose one of {', '.join(BUTTONS)}")
+        self.move(x, y)
+        self._button(BUTTONS[button], 2 if double else 1)
+
+    def drag(self, x1: int, y1: int, x2: int, y2: int, button: str = "left") -> None:
+        self.move(x1, y1)
+        xtest.fake_input(self.d, X.ButtonPress, BUTTONS[button])
+        steps = 8
+        for i in range(1, steps + 1):
+            xtest.fake_input(self.d, X.MotionNotify, x=x1 + (x2 - x1) * i // steps, y=y1 + (y2 - y1) * i // steps)
+        xtest.fake_input(self.d, X.ButtonRelease, BUTTONS[button])
+        self.d.sync()
+
+    def scroll(self, dx: int = 0, dy: int = 0) -> None:
+        self._button(5 if dy > 0 else 4, abs(int(dy)))
+        self._button(7 if dx > 0 else 6, abs(int(dx)))
+
+    def _keycode(self, keysym: int) -> tuple[int, bool]:
+        """A keycode for `keysym` and whether it needs shift; an unmapped keysym borrows a spare keycode."""
+        for code, index in self.d.keysym_to_keycodes(keysym):
+            if index in (0, 1):
+                return code, index == 1
+        if self.spare is None:
+            first = self.d.display.info.min_keycode
+            mapping = self.d.get_keyboard_mapping(first, self.d.display.info.max_keycode - first + 1)
+            empty = [first + i for i, syms in enumerate(mapping) if not any(syms)]
+            if not empty:
+                raise ValueError(f"no keycode for keysym {keysym:#x} and no spare keycode to map it to")
+            self.spare = empty[-1]
+        self.d.change_keyboard_mapping(self.spare, [(keysym, keysym)])
+        self.d.sync()
+        return self.spare, False
+
+    def _keysym(self, name: str) -> int:
+        keysym = XK.string_to_keysym(ALIASES.get(name.lower(), name))
+        if not keysym and len(name) == 1:
+            keysym = ord(name) if ord(name) < 0x100 else 0x01000000 | ord(name)
+        if not keysym:
+            raise ValueError(f"unknown key {name!r} (use X keysym names: Return, ctrl, alt, F1, a...)")
+        return keysym
+
+    def _press(self, codes: list[int]) -> None:
+        for code in codes:
+            xtest.fake_input(self.d, X.KeyPress, code)
+        for code in reversed(codes):
+            xtest.fake_input(self.d, X.KeyRelease, code)
+        self.d.sync()
+
+    def key(self, keys: str) -> None:
+        codes = []
+        for name in keys.split("+") if keys != "+" else ["plus"]:
+            code, shift = self._keycode(self._keysym(name))
+            if shift:
+                codes.append(self.d.keysym_to_keycode(XK.string_to_keysym("Shift_L")))
+            codes.append(code)
+        self._press(codes)
+
+    def type(self, text: str) -> None:
+        shift = self.d.keysym_to_keycode(XK.string_to_keysym("Shift_L"))
+        for char in text:
+            keysym = XK.string_to_keysym(CHARS[char]) if char in CHARS else self._keysym(char)
+            code, shifted = self._keycode(keysym)
+            self._press([shift, code] if shifted else [code])
+
+    def cursor(self) -> dict:
+        pointer = self.root.query_pointer()
+        return {"x": pointer.root_x, "y": pointer.root_y}
+
+
+def main() -> None:
+    width, height = int(sys.argv[1]), int(sys.argv[2])
+    out = sys.stdout.buffer
+    try:
+        gui = Gui(start(width, height))
+        ready: dict = {"ok": True, "width": gui.width, "height": gui.height}
+    except Exception as exc:  # reported to the node, which raises it at create
+        ready = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    header = json.dumps(ready).encode()
+    out.write(struct.pack(">I", len(header)) + header + struct.pack(">I", 0))
+    out.flush()
+    if not ready["ok"]:
+        return
+    for line in sys.stdin.buffer:
+        request = json.loads(line)
+        blob = b""
+        try:
+            action, args = request["action"], request.get("args") or {}
+            if action == "screenshot":
+                result, blob = gui.screenshot()
+            else:
+                result = getattr(gui, action)(**args)
+            reply = {"ok": True, "result": result}
+        except Exception as exc:
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        header = json.dumps(reply).encode()
+        out.write(struct.pack(">I", len(header)) + header + struct.pack(">I", len(blob)) + blob)
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()
