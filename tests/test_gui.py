@@ -35,6 +35,12 @@ def _png_pixels(data: bytes) -> bytes:
     return zlib.decompress(idat)
 
 
+def _pixel(shot: shoal.Screenshot, x: int, y: int) -> tuple[int, int, int]:
+    at = y * (1 + shot.width * 3) + 1 + x * 3  # filter 0 (what the node writes): bytes are the pixels
+    rgb = _png_pixels(shot.png)[at : at + 3]
+    return rgb[0], rgb[1], rgb[2]
+
+
 def _wait(condition, timeout: float = 60.0, what: str = "") -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while not condition():
@@ -47,8 +53,8 @@ def test_type_into_a_terminal_through_the_gui_alone(client: shoal.Client) -> Non
         first = sb.gui.screenshot()
         assert first.size == (1024, 640) and _png_size(first.png) == (1024, 640)
         assert len(_png_pixels(first.png)) == 640 * (1 + 1024 * 3)
-        # the xterm maps at the top left shortly after the display starts: wait until it has drawn
-        _wait(lambda: sb.gui.screenshot().png != first.png or sb.gui.wait_for_change(5), what="the xterm")
+        # the xterm (white) maps at the top left of the black root shortly after the display starts
+        _wait(lambda: _pixel(sb.gui.screenshot(), 100, 100) != (0, 0, 0), what="the xterm to draw")
         # focus follows the pointer (no window manager): point into the terminal, then type
         sb.gui.click(100, 100)
         assert sb.gui.cursor() == (100, 100)

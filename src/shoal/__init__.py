@@ -20,6 +20,7 @@ from shoal.client import (
     Shell,
 )
 from shoal.client.functions import FunctionError, RunCodeResult
+from shoal.client.gui import Screenshot
 from shoal.client.image import ImageBuilder
 from shoal.errors import (
     AuthenticationError,
@@ -73,6 +74,7 @@ __all__ = [
     "RunCodeResult",
     "ReplayReport",
     "Sandbox",
+    "Screenshot",
     "SandboxClosedError",
     "SandboxInfo",
     "SandboxLostError",
