@@ -246,3 +246,44 @@ def test_a_full_disk_does_not_stop_the_other_sandboxes_steps(tmp_path: Path) -> 
         node.stop()
         subprocess.run(["umount", "-l", str(home)], check=False)
     assert not no_leftovers(home, node.cgroup_parent, node_stopped=True)
+
+
+def _hwm_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def test_large_uploads_and_downloads_stream_through_the_node(tmp_path: Path) -> None:
+    """A 200 MiB file goes in (upload of a file and of a tree holding it) and out (read, download) in
+    chunks: the node's peak memory grows by a fraction of it, not by the file (or several copies)."""
+    import hashlib
+
+    from conftest import NodeProcess, no_leftovers
+
+    size = 200 << 20
+    local = tmp_path / "tree" / "sub" / "big.bin"
+    local.parent.mkdir(parents=True)
+    block = os.urandom(1 << 20)
+    with local.open("wb") as handle:
+        for i in range(size >> 20):
+            handle.write(i.to_bytes(8, "big") + block[8:])
+    digest = hashlib.sha256(local.read_bytes()).hexdigest()
+    node = NodeProcess(tmp_path / "home", f"shoal-stream-{os.getpid()}").start()
+    try:
+        with node.client() as c, c.create(image="busybox", pool=False, ttl_s=600) as sb:
+            assert sb.exec("echo warm").stdout == "warm\n"
+            before = _hwm_mb(node.pid)
+            sb.files.upload(local, "/big.bin")
+            sb.files.upload(tmp_path / "tree", "/tree")
+            remote = sb.exec("sha256sum /big.bin /tree/sub/big.bin").stdout.split()
+            assert remote[0] == remote[2] == digest
+            assert hashlib.sha256(sb.files.read("/big.bin", max_bytes=size)).hexdigest() == digest
+            sb.files.download("/tree", tmp_path / "out")
+            assert hashlib.sha256((tmp_path / "out" / "sub" / "big.bin").read_bytes()).hexdigest() == digest
+            grown = _hwm_mb(node.pid) - before
+            assert grown < 96, f"the node's peak memory grew by {grown:.0f} MiB moving a 200 MiB file"
+    finally:
+        node.stop()
+    assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)

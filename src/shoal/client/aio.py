@@ -757,6 +757,9 @@ class AsyncShell:
         await self.close()
 
 
+WRITE_CHUNK = 8 << 20  # bytes per file_write request when a large file is written
+
+
 class AsyncFiles:
     """Files inside the sandbox, read and written through its agent (as the sandbox's user)."""
 
@@ -767,13 +770,47 @@ class AsyncFiles:
         return await self._sandbox._step(op, {"sandbox_id": self._sandbox.id, **args})
 
     async def write(self, path: str, data: bytes | str, *, mode: int = 0o644, append: bool = False) -> int:
-        """Write `data` (str is UTF-8 encoded) to `path`, making parent directories; returns bytes written."""
+        """Write `data` (str is UTF-8 encoded) to `path`, making parent directories; returns bytes written.
+
+        Up to WRITE_CHUNK (8 MiB) the file is replaced atomically; more goes as that first chunk and then
+        appends of WRITE_CHUNK each (one step each), so neither the node nor the agent holds a large file
+        whole; a reader in the sandbox may see it grow meanwhile."""
         payload = data.encode() if isinstance(data, str) else data
-        return await self._call("file_write", path=path, data=payload, mode=mode, append=append)
+        if len(payload) <= WRITE_CHUNK:
+            return await self._call("file_write", path=path, data=payload, mode=mode, append=append)
+        written = 0
+        for offset in range(0, len(payload), WRITE_CHUNK):
+            chunk = bytes(payload[offset : offset + WRITE_CHUNK])
+            args = {"path": path, "data": chunk, "mode": mode, "append": append or offset > 0}
+            written += await self._call("file_write", **args)
+        return written
+
+    async def write_from(self, local: str | os.PathLike[str], path: str, *, mode: int | None = None) -> int:
+        """Copy the local file `local` to `path`, read and sent WRITE_CHUNK at a time (never held whole)."""
+        source = Path(local)
+        mode = stat_module.S_IMODE(source.stat().st_mode) if mode is None else mode
+        written = 0
+        with source.open("rb") as handle:
+            while True:
+                chunk = await asyncio.to_thread(handle.read, WRITE_CHUNK)
+                if chunk or not written:
+                    args = {"path": path, "data": chunk, "mode": mode, "append": written > 0}
+                    written += await self._call("file_write", **args)
+                if len(chunk) < WRITE_CHUNK:
+                    return written
 
     async def read(self, path: str, *, max_bytes: int = 256 << 20) -> bytes:
-        """The bytes of file `path`; raises if it is larger than `max_bytes`."""
-        return await self._call("file_read", path=path, max_bytes=max_bytes)
+        """The bytes of file `path`; raises if it is larger than `max_bytes`. A file over 64 KiB comes in
+        chunks (the node never holds it whole) and is logged as its digest (see docs/DEVELOPING.md)."""
+        chunks: list[bytes] = []
+        args = {"sandbox_id": self._sandbox.id, "path": path, "max_bytes": max_bytes, "stream": True}
+        result = await self._sandbox._step("file_read", args, on_event=chunks.append)
+        if not is_bulk(result):
+            return result
+        data = b"".join(chunks)
+        if len(data) != result["size"]:
+            raise NodeError(f"read {path}: {len(data)} of {result['size']} bytes arrived")
+        return data
 
     async def read_text(self, path: str) -> str:
         """The contents of file `path` decoded as UTF-8."""
@@ -808,17 +845,20 @@ class AsyncFiles:
         regular files and symlinks (recreated as links), written as the sandbox's user."""
         root = Path(local_dir)
         if root.is_file():
-            await self.write(remote_dir, root.read_bytes(), mode=stat_module.S_IMODE(root.stat().st_mode))
+            await self.write_from(root, remote_dir)
             return 1
         if not root.is_dir():
             raise FileNotFoundError(f"no local file or directory {root}")
         files = 0
-        made = tartree.batches(root)
+        big: list[str] = []  # files larger than a batch: sent by themselves, in chunks (write_from)
+        made = tartree.batches(root, big=big)
         while (batch := await asyncio.to_thread(next, made, None)) is not None:
             data, count = batch
             await self.write_tar(remote_dir, data)
             files += count
-        return files
+        for name in big:
+            await self.write_from(root / name, f"{remote_dir.rstrip('/')}/{name}")
+        return files + len(big)
 
     async def write_tar(self, remote_dir: str, data: bytes) -> int:
         """Unpack a tar stream (ustar or GNU format: files, directories, symlinks) into `remote_dir` (made

@@ -395,6 +395,9 @@ class Files:
     def write(self, path: str, data: bytes | str, *, mode: int = 0o644, append: bool = False) -> int:
         return self._client._run(self._inner.write(path, data, mode=mode, append=append))
 
+    def write_from(self, local: str | os.PathLike[str], path: str, *, mode: int | None = None) -> int:
+        return self._client._run(self._inner.write_from(local, path, mode=mode))
+
     def read(self, path: str, *, max_bytes: int = 256 << 20) -> bytes:
         return self._client._run(self._inner.read(path, max_bytes=max_bytes))
 

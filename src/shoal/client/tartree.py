@@ -24,8 +24,10 @@ def _info(name: str, st: os.stat_result) -> tarfile.TarInfo:
     return info
 
 
-def batches(root: Path, batch_bytes: int = BATCH_BYTES) -> Iterator[tuple[bytes, int]]:
-    """(tar bytes, regular files in it) for the tree under `root`, each tar at most about `batch_bytes`."""
+def batches(root: Path, batch_bytes: int = BATCH_BYTES, big: list[str] | None = None) -> Iterator[tuple[bytes, int]]:
+    """(tar bytes, regular files in it) for the tree under `root`, each tar at most about `batch_bytes`.
+    With `big`, a regular file larger than `batch_bytes` is left out and its relative name appended there
+    (the caller sends it by itself, in chunks: no request and no buffer holds it whole)."""
     buffer = io.BytesIO()
     archive = tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT)  # noqa: SIM115 - spans batches
     files = size = 0
@@ -44,6 +46,9 @@ def batches(root: Path, batch_bytes: int = BATCH_BYTES) -> Iterator[tuple[bytes,
                 info.type, info.linkname = tarfile.SYMTYPE, os.readlink(path)
                 archive.addfile(info)
             elif stat.S_ISREG(st.st_mode):
+                if big is not None and st.st_size > batch_bytes:
+                    big.append(relative)
+                    continue
                 if size and size + st.st_size > batch_bytes:
                     archive.close()
                     yield buffer.getvalue(), files

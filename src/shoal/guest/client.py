@@ -11,6 +11,7 @@ import contextlib
 import errno as _errno
 import os
 import struct
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from shoal.protocol import cut_marker
@@ -285,15 +286,19 @@ class AgentClient:
 
     async def read_file(self, path: str, max_bytes: int = 64 << 20) -> bytes:
         """Return the contents of ``path``; errors if it is larger than ``max_bytes``."""
+        return b"".join([chunk async for chunk in self.read_file_chunks(path, max_bytes)])
+
+    async def read_file_chunks(self, path: str, max_bytes: int = 64 << 20) -> AsyncIterator[bytes]:
+        """The contents of ``path`` as the agent sends them (chunks of at most 64 KiB), never all held at
+        once; raises (after the chunks so far) if it is larger than ``max_bytes``."""
         conn = await self._request(b"G", struct.pack(">Q", max_bytes) + _cstr(path))
         try:
             await conn.expect(b"N")
-            chunks: list[bytes] = []
             while True:
                 kind, payload = await conn.expect(b"D", b"A")
                 if kind == ord("A"):
-                    return b"".join(chunks)
-                chunks.append(payload)
+                    return
+                yield payload
         finally:
             await conn.close()
 
@@ -312,7 +317,7 @@ class AgentClient:
         flags = (WRITE_MKDIRS if mkdirs else 0) | (WRITE_APPEND if append else 0)
         conn = await self._request(b"W", struct.pack(">IIII", mode, uid, gid, flags) + _cstr(path))
         try:
-            view = memoryview(bytes(data))
+            view = memoryview(data)  # no copy: a large write must not hold its data twice
             for off in range(0, len(view), _CHUNK):
                 chunk = view[off : off + _CHUNK]
                 conn.writer.write(_HDR.pack(len(chunk) + 1, ord("D")))
@@ -329,7 +334,7 @@ class AgentClient:
         link already in the tree is followed (see ``do_untar`` in agent.c)."""
         conn = await self._request(b"T", struct.pack(">II", uid, gid) + _cstr(path))
         try:
-            view = memoryview(bytes(data))
+            view = memoryview(data)  # no copy: a large write must not hold its data twice
             for off in range(0, len(view), _CHUNK):
                 chunk = view[off : off + _CHUNK]
                 conn.writer.write(_HDR.pack(len(chunk) + 1, ord("D")))

@@ -7,6 +7,7 @@ import collections
 import contextlib
 import errno
 import functools
+import hashlib
 import io
 import json
 import logging
@@ -58,6 +59,7 @@ from shoal.protocol import (
     merge_image_lists,
 )
 from shoal.settings import QEMU
+from shoal.steps import BULK_BYTES
 from shoal.substrates import Substrate
 from shoal.substrates.container import ContainerSubstrate
 
@@ -818,11 +820,59 @@ class NodeService:
         run = functools.partial(self._agent_call, sandbox_id, "untar", target, data, uid=sandbox.uid, gid=sandbox.gid)
         return await self._file_step("file_untar", sandbox_id, seq, {"path": path, "data": data}, run)
 
-    async def file_read(self, sandbox_id: str, path: str, max_bytes: int = 256 << 20, seq: int | None = None) -> bytes:
+    async def file_read(
+        self,
+        sandbox_id: str,
+        path: str,
+        max_bytes: int = 256 << 20,
+        seq: int | None = None,
+        stream: bool = False,
+        emit: Emit | None = None,
+    ) -> bytes | dict[str, Any]:
+        """The file's bytes; with `stream` a file over steps.BULK_BYTES comes as events (chunks, never held
+        whole by the node) and the result is its {"bulk": digest, "size": n}."""
         if self.functions.owns(sandbox_id):
             return self.functions.file_read(sandbox_id, path, max_bytes)
-        run = functools.partial(self._agent_call, sandbox_id, "read_file", _abs(path, self._get(sandbox_id)), max_bytes)
+        target = _abs(path, self._get(sandbox_id))
+        if stream and emit is not None:
+            run = functools.partial(self._read_streamed, sandbox_id, target, max_bytes, emit)
+        else:
+            run = functools.partial(self._agent_call, sandbox_id, "read_file", target, max_bytes)
         return await self._file_step("file_read", sandbox_id, seq, {"path": path, "max_bytes": max_bytes}, run)
+
+    async def _read_streamed(self, sandbox_id: str, target: str, max_bytes: int, emit: Emit) -> bytes | dict:
+        sandbox = await self._awake(self._get(sandbox_id))
+        head: list[bytes] = []
+        held = 0
+        hasher = hashlib.blake2b(digest_size=16)
+        size = 0
+        streaming = False
+
+        async def quiet_emit(data: bytes) -> None:  # a step outlives a client that went away
+            try:
+                await emit(data)
+            except Exception:  # noqa: S110
+                pass
+
+        try:
+            async for chunk in sandbox.agent.read_file_chunks(target, max_bytes):
+                hasher.update(chunk)
+                size += len(chunk)
+                if streaming:
+                    await quiet_emit(chunk)
+                    continue
+                head.append(chunk)
+                held += len(chunk)
+                if held > BULK_BYTES:
+                    streaming = True
+                    for part in head:
+                        await quiet_emit(part)
+                    head = []
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            raise await self._lost(sandbox, exc) from exc
+        if not streaming:
+            return b"".join(head)
+        return {"bulk": "blake2b:" + hasher.hexdigest(), "size": size}
 
     async def file_list(
         self, sandbox_id: str, path: str, recursive: bool = False, seq: int | None = None

@@ -439,7 +439,7 @@ def _payload_size(op: str, args: dict[str, Any]) -> int:
     return len(value) if isinstance(value, bytes | bytearray | memoryview) else 0
 
 
-async def _read_again(sandbox_id: str, seq: int, args: dict[str, Any], kept: dict[str, Any], run: Any) -> bytes:
+async def _read_again(sandbox_id: str, seq: int, args: dict[str, Any], kept: dict[str, Any], run: Any) -> Any:
     """A logged read whose bytes the log did not keep: read the file again and give it back only if it is
     still exactly what step `seq` read (same digest and size)."""
     from shoal.errors import PayloadNotKeptError
@@ -448,7 +448,11 @@ async def _read_again(sandbox_id: str, seq: int, args: dict[str, Any], kept: dic
         data = await run()
     except (OSError, ValueError) as exc:
         data, problem = None, f"reading it again failed ({exc})"
-    if data is not None:
+    if isinstance(data, dict):  # streamed again (node.service._read_streamed): its digest and size
+        if data == kept:
+            return data
+        problem = f"the file now holds {data.get('size')} bytes that differ from the {kept['size']} bytes it read"
+    elif data is not None:
         if len(data) == kept["size"]:
             now = await asyncio.to_thread(digest, data) if len(data) > _OFF_LOOP_BYTES else digest(data)
             if now == kept["bulk"]:
