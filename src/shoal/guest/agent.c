@@ -668,13 +668,28 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
     sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
     sigaction(SIGCHLD, &sa, NULL);
 
+    /* The command starts only once its pid ('P') is on the way to the node: a command that kills every
+       process it can (`kill -9 -1` takes this handler too) must not be able to do so before the node
+       knows the command started, or the node sees a handler that vanished before starting anything. */
+    int go[2] = {-1, -1};
+    if (pipe2(go, O_CLOEXEC) < 0) {
+        send_err(errno, "exec %s: pipe: %s", argv[0], strerror(errno));
+        return;
+    }
     pid_t pid = fork();
     if (pid < 0) {
         send_err(errno, "exec %s: fork: %s", argv[0], strerror(errno));
         return;
     }
-    if (pid == 0)
+    if (pid == 0) {
+        close(go[1]);
+        char ready;
+        while (read(go[0], &ready, 1) < 0 && errno == EINTR) {
+        }
+        close(go[0]);
         exec_child(cwd, uid, gid, inp[0], outp[1], merge ? outp[1] : errp[1], argv, envp);
+    }
+    close(go[0]);
     cmd_pid = pid;
     close(outp[1]);
     if (!merge)
@@ -692,6 +707,8 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
     unsigned char hdr[4];
     put_u32(hdr, (uint32_t)pid);
     send_frame('P', hdr, 4);
+    flush_out();
+    close(go[1]); /* the command may start now */
 
     static unsigned char buf[PIPE_CHUNK];
     /* With a cap, the first cap - cap/2 bytes of each stream go out live and the last cap/2 at the end. */
