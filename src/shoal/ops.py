@@ -158,8 +158,10 @@ _op("exec", SANDBOX, {"req": ExecRequest}, ExecResult, "Run a command; streams i
     step=True, streams=True, sandbox_arg="req.sandbox_id")
 _op("file_write", SANDBOX, {"sandbox_id": str, "path": str, "data": bytes, "mode": (int, 0o644),
                             "append": (bool, False), "seq": (SEQ, None)}, int, "Write a file.", step=True)
-_op("file_read", SANDBOX, {"sandbox_id": str, "path": str, "max_bytes": (int, 256 << 20), "seq": (SEQ, None)},
-    bytes, "Read a file.", step=True, retry=True)
+_op("file_read", SANDBOX, {"sandbox_id": str, "path": str, "max_bytes": (int, 256 << 20), "seq": (SEQ, None),
+                           "stream": (bool, False)},
+    bytes | JSON, "Read a file; with stream, a file over 64 KiB comes as events (chunks) and the result is its "
+    "{bulk: digest, size}.", step=True, retry=True, streams=True)
 _op("file_untar", SANDBOX, {"sandbox_id": str, "path": str, "data": bytes, "seq": (SEQ, None)}, int,
     "Unpack a tar stream into a directory (links in it never followed); the entries made.", step=True)
 _op("file_list", SANDBOX, {"sandbox_id": str, "path": str, "recursive": (bool, False), "seq": (SEQ, None)},
