@@ -114,3 +114,17 @@ def test_tokens_and_bad_requests(cluster: LocalCluster) -> None:
         assert go.status_code == 200 and go.json()["status"] == "SandboxError" and "'go'" in go.json()["message"]
         with pytest.raises(Exception, match="SandboxError|not supported"):
             _run(endpoint, code="x", language="rust")
+
+
+def test_verl_reward_helper_scores_through_the_gateway(cluster: LocalCluster) -> None:
+    """verl's own SandboxFusion reward helper (check_correctness: one /run_code per test case)."""
+    from verl.utils.reward_score.sandbox_fusion.utils import check_correctness
+
+    url = _endpoints(cluster)[1] + "/run_code"
+    in_outs = {"inputs": ["1 2\n", "20 22\n"], "outputs": ["3\n", "42\n"]}
+    right, _ = check_correctness(url, in_outs, "a, b = map(int, input().split())\nprint(a + b)")
+    assert right == [True, True], right
+    wrong, _ = check_correctness(url, in_outs, "a, b = map(int, input().split())\nprint(a - b)")
+    assert wrong == [False, False], wrong
+    cpp = '#include <cstdio>\nint main(){int a,b;scanf("%d %d",&a,&b);printf("%d\\n",a+b);}'
+    assert check_correctness(url, in_outs, cpp, language="cpp")[0] == [True, True]
