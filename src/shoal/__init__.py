@@ -39,6 +39,7 @@ from shoal.errors import (
     SandboxLostError,
     SandboxNotFoundError,
     ShoalError,
+    TLSError,
     UnsafeEntryWarning,
     UnsupportedKindError,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "InvalidRequestError",
     "NoScreenError",
     "NodeError",
+    "TLSError",
     "NotFoundError",
     "OutputChunk",
     "PayloadNotKeptError",

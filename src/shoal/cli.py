@@ -16,7 +16,7 @@ from shoal.config import Paths
 def _client(args: argparse.Namespace) -> shoal.Client:
     if getattr(args, "ray_address", None):
         return shoal.Client(ray_address=args.ray_address, token=args.token)
-    return shoal.Client(args.address, home=args.home, token=args.token)
+    return shoal.Client(args.address, home=args.home, token=args.token, tls_ca=args.tls_ca)
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
@@ -255,10 +255,22 @@ def cmd_e2b(args: argparse.Namespace) -> int:
     return serve_e2b(rest)
 
 
+def cmd_tls(args: argparse.Namespace) -> int:
+    from shoal import tls
+
+    made = tls.init(args.dir, args.name or ["node", "gateway"], args.host)
+    print(f"CA: {made.pop('ca')} (give it to clients: shoal.Client('shoals://host:port', tls_ca=...) or SHOAL_TLS_CA)")
+    for name, files in made.items():
+        cert, key = files.split()
+        print(f"{name}: SHOAL_TLS_CERT={cert} SHOAL_TLS_KEY={key}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shoal", description=shoal.__doc__.splitlines()[0])
     parser.add_argument("--home", help="node state directory (default $SHOAL_HOME or /var/lib/shoal)")
-    parser.add_argument("--address", help="shoal://host:port of a gateway or node (default: the local node)")
+    parser.add_argument("--address", help="shoal[s]://host:port of a gateway or node (default: the local node)")
+    parser.add_argument("--tls-ca", help="CA file for a shoals:// address (default $SHOAL_TLS_CA)")
     parser.add_argument("--token", help="token for --address (default $SHOAL_TOKEN)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run one command in a fresh sandbox")
@@ -344,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
         "rest", nargs=argparse.REMAINDER, help="--listen HOST:PORT --target shoal://... --template N=IMAGE"
     )
     e2b.set_defaults(func=cmd_e2b)
+    tls_cmd = sub.add_parser("tls", help="make a CA and certificates for nodes and gateways (docs/SECURITY.md)")
+    tls_cmd.add_argument("action", choices=["init"])
+    tls_cmd.add_argument("dir", help="directory for ca.crt, ca.key and NAME.crt/NAME.key (the CA is kept if there)")
+    tls_cmd.add_argument("--name", action="append", help="a certificate per name (repeatable; default node, gateway)")
+    tls_cmd.add_argument("--host", action="append", default=[], help="a name or address it is valid for (repeatable)")
+    tls_cmd.set_defaults(func=cmd_tls)
     top = sub.add_parser("top", help="live view of a cluster (through a gateway)")
     top.add_argument("--ray-address", help="find the gateway through this Ray cluster")
     top.add_argument("--interval", type=float, default=1.0)

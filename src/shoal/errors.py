@@ -55,6 +55,10 @@ class NodeError(ShoalError):
     """The node agent could not be reached or started."""
 
 
+class TLSError(NodeError):
+    """A TLS connection could not be made: the server's certificate is not trusted, or it does not speak TLS."""
+
+
 class DivergenceError(ShoalError):
     """A re-issued step differs from the one recorded in the trajectory log."""
 
@@ -98,6 +102,7 @@ ERROR_TYPES: dict[str, type[ShoalError]] = {
         CapacityError,
         TimeoutError,
         NodeError,
+        TLSError,
         DivergenceError,
         AuthenticationError,
         QuotaExceededError,

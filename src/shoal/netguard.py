@@ -68,6 +68,7 @@ class ConnectionGuard:
         self.opened = time.monotonic()
         self.auth_deadline = self.opened + self.limits.auth_timeout_s
         self.authenticated = False
+        self.tls = listener.ssl is not None  # plain TCP: tokens only from loopback peers (shoal/tls.py)
         # set by the handler: does the session now hold an identity? (checked after each pre-auth request)
         self.is_authenticated: Callable[[], bool] = lambda: False
 
@@ -121,8 +122,10 @@ class Listener:
         limits: Limits,
         name: str,
         protocol_factory: Callable[[], asyncio.BaseProtocol] | None = None,
+        ssl: Any = None,
     ) -> None:
         self.handle = handle
+        self.ssl = ssl
         self.protocol_factory = protocol_factory
         self.sock = sock
         self.sockets = [sock]
@@ -223,8 +226,8 @@ class Listener:
         try:
             reader = asyncio.StreamReader(limit=self.limits.reader_limit, loop=loop)
             proto = asyncio.StreamReaderProtocol(reader, loop=loop)
-            transport, _ = await loop.connect_accepted_socket(lambda: proto, conn)
-        except OSError:
+            transport, _ = await loop.connect_accepted_socket(lambda: proto, conn, **self._tls_args())
+        except (OSError, TimeoutError):  # includes a failed TLS handshake (ssl.SSLError is an OSError)
             guard.release()
             conn.close()
             return
@@ -247,8 +250,8 @@ class Listener:
             return _Watched(factory(), closed)
 
         try:
-            transport, proto = await loop.connect_accepted_socket(make, conn)
-        except OSError:
+            transport, proto = await loop.connect_accepted_socket(make, conn, **self._tls_args())
+        except (OSError, TimeoutError):
             guard.release()
             conn.close()
             return
@@ -263,6 +266,12 @@ class Listener:
                 await closed
         finally:
             guard.release()
+
+    def _tls_args(self) -> dict[str, Any]:
+        """TLS (if configured): the handshake must end within the auth timeout, like the token."""
+        if self.ssl is None:
+            return {}
+        return {"ssl": self.ssl, "ssl_handshake_timeout": max(0.1, self.limits.auth_timeout_s)}
 
     def close(self) -> None:
         """Stop accepting; connections already open go on until they end (like asyncio.Server.close)."""
@@ -281,9 +290,11 @@ async def serve_tcp(
     name: str,
     limits: Limits | None = None,
     protocol_factory: Callable[[], Any] | None = None,
+    ssl: Any = None,
 ) -> Listener:
     """Listen on host:port (port 0: any free one) and serve each admitted connection with
-    `handle(reader, writer, guard)`, or with `protocol_factory()` (an HTTP server's protocol)."""
+    `handle(reader, writer, guard)`, or with `protocol_factory()` (an HTTP server's protocol); with `ssl`
+    (an ssl.SSLContext, shoal/tls.py) every connection is TLS."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, type_, proto, _, address = infos[0]
     sock = socket.socket(family, type_, proto)
@@ -295,4 +306,4 @@ async def serve_tcp(
     except BaseException:
         sock.close()
         raise
-    return Listener(handle, sock, limits or Limits.from_env(), name, protocol_factory)
+    return Listener(handle, sock, limits or Limits.from_env(), name, protocol_factory, ssl)

@@ -245,6 +245,19 @@ E2B: Setting[str] = _declare(
 TOKENS: Setting[Path] = _declare(
     "SHOAL_TOKENS", Path, None, NETWORK, "JSON token file: tokens → projects and quotas (docs/CLUSTER.md).", secret=True
 )
+TLS_CERT: Setting[Path] = _declare(
+    "SHOAL_TLS_CERT", Path, None, NETWORK,
+    "PEM certificate (chain) of this node's or gateway's TCP and HTTP ports; with SHOAL_TLS_KEY they speak "
+    "only TLS (`shoal tls init` makes one).", fallback="plain TCP",
+)  # fmt: skip
+TLS_KEY: Setting[Path] = _declare(
+    "SHOAL_TLS_KEY", Path, None, NETWORK, "PEM private key of SHOAL_TLS_CERT.", fallback="plain TCP", secret=True
+)
+PLAINTEXT_TOKENS: Setting[bool] = _declare(
+    "SHOAL_PLAINTEXT_TOKENS", bool, False, NETWORK,
+    "Allow tokens over plain TCP to and from peers that are not on loopback (servers refuse them, clients "
+    "do not send them, unless this is 1); loopback is always allowed.",
+)  # fmt: skip
 HTTP_MAX_BODY: Setting[int] = _declare(
     "SHOAL_HTTP_MAX_BODY", int, 64 << 20, NETWORK, "Largest HTTP request body accepted (bytes)."
 )
@@ -290,6 +303,11 @@ OWNER: Setting[str] = _declare(
 TOKEN: Setting[str] = _declare(
     "SHOAL_TOKEN", str, None, CLIENT, "Token for `shoal://` addresses when `token=` is not given.", secret=True
 )
+TLS_CA: Setting[Path] = _declare(
+    "SHOAL_TLS_CA", Path, None, CLIENT,
+    "CA file that `shoals://` clients (and gateways calling their nodes) verify servers against; a gateway "
+    "with it set speaks TLS to its nodes.", fallback="the system CAs",
+)  # fmt: skip
 
 # ---------------------------------------------------------------- internal
 READY_FD: Setting[int] = _declare(

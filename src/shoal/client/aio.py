@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shoal import ops, protocol, settings
+from shoal import ops, protocol, settings, tls
 from shoal.client import functions, localfs, tartree
 from shoal.client.gui import AsyncGui
 from shoal.client.image import ImageBuilder
@@ -71,7 +71,9 @@ class AsyncClient:
 
     - no address: the local node over its Unix socket (started on demand);
     - `"shoal://host:port"` (or several, comma-separated: tried in turn, also to fail over) with `token=`
-      (default $SHOAL_TOKEN): a node or a gateway over TCP;
+      (default $SHOAL_TOKEN): a node or a gateway over TCP; `"shoals://host:port"` the same over TLS, the
+      server verified against `tls_ca=` (default $SHOAL_TLS_CA, else the system CAs). A token is not sent
+      over plain TCP to a host off loopback unless SHOAL_PLAINTEXT_TOKENS=1 (docs/SECURITY.md);
     - `ray_address="auto"`: a shoal cluster deployed on that Ray cluster (`shoal cluster up`).
     """
 
@@ -85,6 +87,7 @@ class AsyncClient:
         ray_address: str | None = None,
         project: str | None = None,
         owner: str | None = None,
+        tls_ca: str | None = None,
     ) -> None:
         # stamped on every sandbox this client creates (`list` shows it; the reaper's logs name it)
         self.owner = owner or settings.OWNER.get() or f"{getpass.getuser()}@{socket.gethostname()}"
@@ -94,7 +97,9 @@ class AsyncClient:
         self.token = token or settings.TOKEN.get()
         self.ray_address = ray_address
         self.project = project
-        self._endpoints = _endpoints(address) if address and address.startswith("shoal://") else []
+        self.tls_ca = tls_ca
+        self._tls = bool(address and address.startswith(tls.SCHEME_TLS))
+        self._endpoints = _endpoints(address) if address and address.startswith(("shoal://", "shoals://")) else []
         self._next = 0
         self._conn: Connection | None = None
         self._connecting = asyncio.Lock()
@@ -142,13 +147,19 @@ class AsyncClient:
         for _ in range(len(self._endpoints)):
             host, port = self._endpoints[self._next % len(self._endpoints)]
             try:
-                return await Connection.open_tcp(host, port, self.token)
+                return await Connection.open_tcp(
+                    host, port, self.token, tls_context=self._tls_context(), tls_ca=self.tls_ca,
+                    plaintext_ok=self.ray_address is not None,  # Ray's network: see docs/SECURITY.md
+                )  # fmt: skip
             except ShoalError:  # refused by the server (bad token): do not try elsewhere
                 raise
             except OSError as exc:
                 failures.append(f"{host}:{port}: {exc.strerror or exc}")
                 self._next += 1
         raise NodeError(f"no shoal node or gateway answers at {self.address} ({'; '.join(failures)})")
+
+    def _tls_context(self) -> Any:
+        return tls.client_context(self.tls_ca) if self._tls else None
 
     async def __aenter__(self) -> AsyncClient:
         return await self.connect()
@@ -474,10 +485,10 @@ def _is_rpc(fn: Any, args: tuple, options: dict[str, Any]) -> bool:
 def _endpoints(address: str) -> list[tuple[str, int]]:
     out = []
     for part in address.split(","):
-        rest = part.strip().removeprefix("shoal://")
+        rest = part.strip().removeprefix("shoals://").removeprefix("shoal://")
         host, _, port = rest.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"{part!r} is not an address like shoal://host:port")
+            raise ValueError(f"{part!r} is not an address like shoal://host:port or shoals://host:port")
         out.append((host, int(port)))
     return out
 

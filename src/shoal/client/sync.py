@@ -63,11 +63,13 @@ class Client:
         ray_address: str | None = None,
         project: str | None = None,
         owner: str | None = None,
+        tls_ca: str | None = None,
     ) -> None:
         self._loop = _Loop()
         self._async = AsyncClient(
-            address, home=home, autostart=autostart, token=token, ray_address=ray_address, project=project, owner=owner
-        )
+            address, home=home, autostart=autostart, token=token, ray_address=ray_address, project=project,
+            owner=owner, tls_ca=tls_ca,
+        )  # fmt: skip
         try:
             self._loop.run(self._async.connect())
         except BaseException:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import ssl
 from collections.abc import Callable
 from typing import Any
 
-from shoal import protocol
+from shoal import protocol, tls
 from shoal.errors import NodeError, from_wire
 from shoal.protocol import Request
 
@@ -52,12 +53,37 @@ class Connection:
         return self._closed is not None and not isinstance(self._closed, ConnectionAbortedError)
 
     @classmethod
-    async def open_tcp(cls, host: str, port: int, token: str | None) -> Connection:
-        """A TCP connection to a node or gateway, authenticated with `token` before anything else."""
-        reader, writer = await asyncio.open_connection(host, port, limit=1 << 24)
-        conn = cls(reader, writer, f"shoal://{host}:{port}")
+    async def open_tcp(
+        cls,
+        host: str,
+        port: int,
+        token: str | None,
+        *,
+        tls_context: ssl.SSLContext | None = None,
+        tls_ca: str | None = None,
+        plaintext_ok: bool = False,
+    ) -> Connection:
+        """A TCP connection to a node or gateway, authenticated with `token` before anything else.
+
+        With `tls_context` (shoal/tls.py) the connection is TLS and the server's certificate is verified; a
+        token is not sent in clear to a host off loopback unless `plaintext_ok` or SHOAL_PLAINTEXT_TOKENS."""
+        address = f"{tls.SCHEME_TLS if tls_context else tls.SCHEME_PLAIN}{host}:{port}"
+        if tls_context is None and token and not plaintext_ok:
+            tls.refuse_plaintext(host, f"client to {address}")
+        try:
+            reader, writer = await asyncio.open_connection(
+                host, port, limit=1 << 24, ssl=tls_context, server_hostname=host if tls_context else None
+            )
+        except ssl.SSLError as exc:
+            raise tls.explain(exc, address, tls_ca) from exc
+        conn = cls(reader, writer, address)
         try:
             conn.identity = await conn.call("auth", {"token": token})
+        except NodeError as exc:
+            await conn.close()
+            if tls_context is None and "lost the connection" in str(exc):
+                raise NodeError(f"{exc} (if it serves TLS, use shoals://{host}:{port} with its CA)") from exc
+            raise
         except BaseException:
             await conn.close()
             raise

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from shoal import tls
 from shoal.cluster.auth import Identity, Tokens
 from shoal.cluster.tenancy import Tenancy
 from shoal.config import parse_hostport
@@ -32,11 +33,14 @@ class ProjectSession:
 
     ops = ("auth",)
 
-    def __init__(self, projects: Tenancy) -> None:
+    def __init__(self, projects: Tenancy, guard: ConnectionGuard | None = None) -> None:
         self.projects = projects
+        self.guard = guard
         self.identity: Identity | None = None
 
     async def serve(self, request: Request) -> Any:
+        if self.guard is not None and not self.guard.tls:
+            tls.refuse_plaintext(self.guard.peer, f"node {self.projects.service.settings.node_id}")
         self.identity = self.projects.tokens.authenticate(request.args.get("token"))
         settings = self.projects.service.settings
         return {"node_id": settings.node_id, "project": self.identity.project, "cluster": self.identity.cluster}
@@ -65,14 +69,14 @@ async def listen(server: NodeServer, tokens: Tokens, where: str, home: Path) -> 
     host, port = parse_hostport(where)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, guard: ConnectionGuard) -> None:
-        session = ProjectSession(projects)
+        session = ProjectSession(projects, guard)
         guard.is_authenticated = lambda: session.identity is not None
         await server.handle(reader, writer, session, guard)
 
-    tcp = await serve_tcp(handle, host, port, name="node tcp")
+    tcp = await serve_tcp(handle, host, port, name="node tcp", ssl=tls.server_context())
     bound = tcp.sockets[0].getsockname()
     (home / "node.addr").write_text(f"{bound[0]}:{bound[1]}\n")
-    log.info("node protocol on tcp %s:%d (token required)", bound[0], bound[1])
+    log.info("node protocol on tcp %s:%d (token required%s)", bound[0], bound[1], ", TLS" if tcp.ssl else "")
     return tcp
 
 

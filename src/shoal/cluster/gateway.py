@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shoal import ops, protocol, settings
+from shoal import ops, protocol, settings, tls
 from shoal.client.transport import Connection
 from shoal.cluster import placement
 from shoal.cluster.admission import AdmissionQueue
@@ -75,6 +75,8 @@ class Gateway:
         max_waiting: int = 200_000,
     ) -> None:
         self.tokens = tokens
+        self.tls_ca: str | None = None  # set by main(): speak TLS to the nodes, verified against this CA
+        self.node_tls: Any = None
         self.cluster_token = next((t for t, p in tokens.config.get("tokens", {}).items() if p == CLUSTER_ROLE), None)
         if self.cluster_token is None:
             raise AuthenticationError("the gateway's token file has no @cluster token: it needs one to talk to nodes")
@@ -136,7 +138,7 @@ class Gateway:
             for address in sorted(addresses - set(known)):
                 host = address.rpartition(":")[0]
                 try:
-                    conn = await asyncio.wait_for(Connection.open_tcp(host, port, self.cluster_token), 5)
+                    conn = await asyncio.wait_for(self._open(host, port), 5)
                     known[address] = conn.identity["node_id"]
                     await conn.close()
                 except Exception as exc:  # not up yet: ask again next round
@@ -166,12 +168,16 @@ class Gateway:
     async def _conn(self, view: NodeView) -> Connection:
         conn = self.conns.get(view.node_id)
         if conn is None or conn.closed:
-            conn = await asyncio.wait_for(Connection.open_tcp(view.host, view.port, self.cluster_token), 5)
+            conn = await asyncio.wait_for(self._open(view.host, view.port), 5)
             if conn.identity.get("node_id") != view.node_id:
                 await conn.close()
                 raise NodeError(f"{view.host}:{view.port} is node {conn.identity.get('node_id')}, not {view.node_id}")
             self.conns[view.node_id] = conn
         return conn
+
+    async def _open(self, host: str, port: int) -> Connection:
+        """A connection to a node as the cluster: over TLS if the gateway has a CA for its nodes (--tls-ca)."""
+        return await Connection.open_tcp(host, port, self.cluster_token, tls_context=self.node_tls, tls_ca=self.tls_ca)
 
     async def _poll(self, node_id: str) -> None:
         images_every = 20
@@ -215,7 +221,7 @@ class Gateway:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, guard: ConnectionGuard | None = None
     ) -> None:
         self.connections += 1
-        state: dict[str, Identity | None] = {"identity": None}
+        state: dict[str, Any] = {"identity": None, "guard": guard}
         if guard is not None:
             guard.is_authenticated = lambda: state["identity"] is not None
 
@@ -239,6 +245,9 @@ class Gateway:
         started = time.monotonic()
         try:
             if request.op == "auth":
+                guard = state.get("guard")
+                if guard is not None and not guard.tls:
+                    tls.refuse_plaintext(guard.peer, f"gateway {self.name}")
                 ident = self.tokens.authenticate(request.args.get("token"))
                 state["identity"] = ident
                 result: Any = {
@@ -673,7 +682,7 @@ async def serve(
     from shoal.config import parse_hostport
 
     host, port = parse_hostport(where)
-    server = await serve_tcp(gateway.handle, host, port, name=f"gateway {gateway.name}")
+    server = await serve_tcp(gateway.handle, host, port, name=f"gateway {gateway.name}", ssl=tls.server_context())
     bound = server.sockets[0].getsockname()
     closers = []
     if http:
@@ -713,6 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-waiting", type=int, default=settings.MAX_WAITING.get())
     parser.add_argument("--k", type=int, default=2, help="power-of-k-choices sample size")
     parser.add_argument("--discover-interval", type=float, default=5.0)
+    parser.add_argument("--tls-ca", default=settings.TLS_CA.raw(), help="CA file: speak TLS to the nodes")
     parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between polls of each node")
     args = parser.parse_args(argv)
     logging.basicConfig(level=settings.LOG_LEVEL.get(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -724,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
             poll_interval=args.poll_interval,
             max_waiting=args.max_waiting,
         )  # fmt: skip
+        if args.tls_ca:
+            gateway.tls_ca, gateway.node_tls = args.tls_ca, tls.client_context(args.tls_ca)
         gateway.set_nodes(nodes)
         if args.discover:
             name, _, port = args.discover.rpartition(":")

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from shoal import ops, settings
+from shoal import ops, settings, tls
 from shoal.cluster import fusion
 from shoal.cluster.metrics import CONTENT_TYPE, node_metrics
 from shoal.config import parse_hostport
@@ -60,7 +60,7 @@ async def _start(app: web.Application, where: str, addr_file: Any = None) -> Cal
     host, port = parse_hostport(where)
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=30)
     await runner.setup()
-    listener = await serve_tcp(None, host, port, name="http", protocol_factory=runner.server)
+    listener = await serve_tcp(None, host, port, name="http", protocol_factory=runner.server, ssl=tls.server_context())
     if addr_file is not None:
         bound = listener.sockets[0].getsockname()
         Path(addr_file).write_text(f"{bound[0]}:{bound[1]}\n")
@@ -97,6 +97,8 @@ async def serve_node_http(
             )
         if session is None:
             raise AuthenticationError("this node's HTTP was started without project sessions, so it runs no code")
+        if not request.secure:
+            tls.refuse_plaintext(request.remote or "", f"node {server.service.settings.node_id} HTTP")
         checked = session(projects)
         checked.identity = projects.tokens.authenticate(fusion.token_of(request))
         request["session"] = checked
@@ -153,6 +155,8 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
         if request.path in PUBLIC:
             return await handler(request)
         try:
+            if not request.secure:
+                tls.refuse_plaintext(request.remote or "", f"gateway {gateway.name} HTTP")
             request["identity"] = gateway.tokens.authenticate(fusion.token_of(request))
         except ShoalError as exc:
             return _error(exc)

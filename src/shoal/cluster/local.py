@@ -17,6 +17,7 @@ from shoal import settings
 from shoal.cluster.auth import CLUSTER_ROLE, new_token
 from shoal.config import Paths
 from shoal.errors import NodeError
+from shoal.tls import issue, make_ca
 
 
 def remove_cgroup_parent(name: str) -> None:
@@ -83,7 +84,10 @@ class LocalNode:
 
 
 class LocalGateway:
-    def __init__(self, name: str, tokens_file: Path, nodes: dict[str, str], workdir: Path, *args: str) -> None:
+    def __init__(
+        self, name: str, tokens_file: Path, nodes: dict[str, str], workdir: Path, *args: str,
+        env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.name = name
         self.addr_file = workdir / f"{name}.addr"
         self.addr_file.unlink(missing_ok=True)
@@ -93,7 +97,9 @@ class LocalGateway:
         for node_id, address in nodes.items():
             argv += ["--node", f"{node_id}={address}"]
         self.log = open(workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            argv, stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}
+        )
         deadline = time.monotonic() + 30
         while not self.addr_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -121,8 +127,12 @@ class LocalCluster:
         max_sandboxes: int = 20000,
         projects: dict[str, dict] | None = None,
         prefix: str = "lc",
+        tls: bool = False,
     ) -> None:
         self.workdir = workdir
+        # tls: a CA made for the run (workdir/tls/ca.crt, `self.ca`), a certificate per node and gateway;
+        # every port then speaks only TLS and clients use shoals:// addresses with this CA
+        self.ca: Path | None = make_ca(workdir / "tls") if tls else None
         workdir.mkdir(parents=True, exist_ok=True)
         self.cluster_token = new_token()
         self.tokens = {new_token(): name for name in (projects or {"default": {}})}
@@ -145,8 +155,19 @@ class LocalCluster:
             self.stop()
             raise
 
+    def _tls_env(self, name: str) -> dict[str, str]:
+        if self.ca is None:
+            return {}
+        cert, key = issue(self.ca.parent, name, ["127.0.0.1"])
+        return {"SHOAL_TLS_CERT": str(cert), "SHOAL_TLS_KEY": str(key), "SHOAL_TLS_CA": str(self.ca)}
+
+    @property
+    def scheme(self) -> str:
+        return "shoals://" if self.ca else "shoal://"
+
     def add_node(self, node_id: str) -> LocalNode:
-        node = LocalNode(node_id, self.workdir / node_id, f"shoal-{node_id}-{os.getpid()}", self.env)
+        env = {**self.env, **self._tls_env(node_id)}
+        node = LocalNode(node_id, self.workdir / node_id, f"shoal-{node_id}-{os.getpid()}", env)
         node.home.mkdir(exist_ok=True)
         self.nodes.append(node)
         return node.start()
@@ -155,7 +176,9 @@ class LocalCluster:
         return {n.node_id: n.address for n in self.nodes}
 
     def add_gateway(self, *args: str) -> LocalGateway:
-        gateway = LocalGateway(f"gw{len(self.gateways) + 1}", self.tokens_file, self.node_map(), self.workdir, *args)
+        name = f"gw{len(self.gateways) + 1}"
+        env = self._tls_env(name)
+        gateway = LocalGateway(name, self.tokens_file, self.node_map(), self.workdir, *args, env=env)
         self.gateways.append(gateway)
         return gateway
 

@@ -1,0 +1,149 @@
+"""TLS on the network ports: client -> gateway -> nodes over TLS with a CA made for the run (shoal/tls.py),
+and what is refused: a plaintext client, a client trusting another CA, tokens over plain TCP off loopback.
+
+Real nodes and gateways (shoal.cluster.local), real sockets, the openssl command for the certificates.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import ssl
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import no_leftovers
+
+import shoal
+from shoal import tls
+from shoal.cluster.local import LocalCluster
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    lc = LocalCluster(tmp_path_factory.mktemp("tls"), nodes=2, max_sandboxes=4, prefix="tt", tls=True)
+    try:
+        lc.add_gateway()
+        assert lc.ca is not None
+        with shoal.Client(f"shoals://{lc.gateways[0].address}", token=lc.cluster_token, tls_ca=str(lc.ca)) as c:
+            deadline = time.monotonic() + 30
+            while True:  # the gateway reaches both nodes over TLS
+                status = c._run(c._async.call("cluster_status"))
+                if sum(n["healthy"] for n in status["nodes"].values()) == 2:
+                    break
+                assert time.monotonic() < deadline, f"nodes did not come up over TLS: {status}"
+                time.sleep(0.1)
+        yield lc
+    finally:
+        lc.stop()
+    for node in lc.nodes:
+        assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
+def test_client_gateway_nodes_over_tls(secure: LocalCluster) -> None:
+    token = secure.project_tokens["default"]
+    with shoal.Client(f"shoals://{secure.gateways[0].address}", token=token, tls_ca=str(secure.ca)) as c:
+        boxes = [c.create(image="busybox", pool=False, ttl_s=120) for _ in range(2)]
+        try:
+            assert {b.id.split("-")[0] for b in boxes} <= {"tt1", "tt2"}
+            for b in boxes:
+                result = b.exec("echo over-tls")
+                assert (result.exit_code, result.stdout) == (0, "over-tls\n")
+        finally:
+            for b in boxes:
+                b.close()
+    # a node's own port is TLS too
+    with shoal.Client(f"shoals://{secure.nodes[0].address}", token=token, tls_ca=str(secure.ca)) as c:
+        assert c._run(c._async.call("status"))["node_id"] == "tt1"
+
+
+def test_http_ports_speak_tls(secure: LocalCluster) -> None:
+    ctx = ssl.create_default_context(cafile=str(secure.ca))
+    token = secure.project_tokens["default"]
+    req = urllib.request.Request(f"https://{secure.gateways[0].http}/v1/sandboxes")
+    req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, context=ctx, timeout=30) as r:
+        assert r.status == 200 and isinstance(json.loads(r.read()), list)
+    with urllib.request.urlopen(f"https://{secure.nodes[0].http}/healthz", context=ctx, timeout=30) as r:
+        assert json.loads(r.read())["node_id"] == "tt1"
+    with pytest.raises((OSError, http.client.HTTPException)):  # plain HTTP to a TLS port gets no answer
+        urllib.request.urlopen(f"http://{secure.gateways[0].http}/healthz", timeout=30)
+
+
+def test_a_plaintext_client_is_refused(secure: LocalCluster) -> None:
+    token = secure.project_tokens["default"]
+    with pytest.raises(shoal.NodeError, match="shoals://"):
+        shoal.Client(f"shoal://{secure.gateways[0].address}", token=token)
+    with pytest.raises(shoal.NodeError, match="shoals://"):
+        shoal.Client(f"shoal://{secure.nodes[0].address}", token=token)
+
+
+def test_a_client_trusting_another_ca_fails_clearly(secure: LocalCluster, tmp_path: Path) -> None:
+    other = tls.make_ca(tmp_path / "other", name="someone else")
+    token = secure.project_tokens["default"]
+    with pytest.raises(shoal.TLSError, match="not trusted") as info:
+        shoal.Client(f"shoals://{secure.gateways[0].address}", token=token, tls_ca=str(other))
+    assert str(other) in str(info.value)
+    # a TLS client to a plain server: told it is not TLS
+    plain = socket.socket()
+    plain.bind(("127.0.0.1", 0))
+    plain.listen(1)
+    try:
+        host, port = plain.getsockname()
+
+        def answer_plain() -> None:
+            conn, _ = plain.accept()
+            conn.sendall(b"\x00\x00\x00\x02hi")
+            conn.close()
+
+        import threading
+
+        t = threading.Thread(target=answer_plain, daemon=True)
+        t.start()
+        with pytest.raises(shoal.TLSError, match="serving TLS"):
+            shoal.Client(f"shoals://{host}:{port}", token=token, tls_ca=str(secure.ca))
+        t.join(10)
+    finally:
+        plain.close()
+
+
+def _outward_address() -> str | None:
+    """An address of this machine that is not loopback (the source of a route; nothing is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if tls.is_loopback(address) else address
+
+
+def test_tokens_are_refused_over_plain_tcp_off_loopback(tmp_path: Path) -> None:
+    # the client does not send it (nothing listens there: the refusal comes before any connection)
+    with pytest.raises(shoal.AuthenticationError, match="SHOAL_PLAINTEXT_TOKENS"):
+        shoal.Client("shoal://192.0.2.1:7470", token="shoal_secret")
+    address = _outward_address()
+    if address is None:
+        pytest.skip("this machine has no address but loopback: the server-side refusal cannot be reached")
+    lc = LocalCluster(tmp_path, nodes=1, prefix="tp")
+    try:
+        gw = lc.add_gateway("--listen", "0.0.0.0:0")
+        port = int(gw.address.rpartition(":")[2])
+        token = lc.project_tokens["default"]
+        from shoal.client.transport import Connection
+
+        async def as_outsider() -> None:
+            await Connection.open_tcp(address, port, token, plaintext_ok=True)  # the server must refuse it
+
+        import asyncio
+
+        with pytest.raises(shoal.AuthenticationError, match="refused over plain TCP"):
+            asyncio.run(as_outsider())
+        with shoal.Client(f"shoal://127.0.0.1:{port}", token=token) as c:  # loopback stays allowed
+            assert c._run(c._async.call("cluster_status"))["nodes"]
+    finally:
+        lc.stop()
