@@ -70,6 +70,9 @@ class RayShoal:
 @pytest.fixture(scope="module")
 def ray_shoal(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayShoal]:
     os.environ["RAY_TMPDIR"] = f"/tmp/rs8-{os.getpid()}"  # our own Ray state, address file included
+    # shoal on Ray speaks plain TCP inside Ray's network (docs/SECURITY.md); this process calls the gateways
+    # at the Ray node address (not loopback) with shoal:// addresses too, so it takes that network as trusted
+    os.environ["SHOAL_PLAINTEXT_TOKENS"] = "1"
     home = tmp_path_factory.mktemp("ray-shoal")
     try:
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
@@ -93,6 +96,7 @@ def ray_shoal(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayShoal]:
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(os.environ.pop("RAY_TMPDIR"), ignore_errors=True)  # Ray's session logs
+        os.environ.pop("SHOAL_PLAINTEXT_TOKENS", None)
     for node_home, cgroup_parent in homes:
         assert not no_leftovers(Path(node_home), cgroup_parent, node_stopped=True)
     assert not _processes(f"/tmp/rs8-{os.getpid()}") and not _processes(str(home))
