@@ -155,7 +155,7 @@ class NodeImages:
         if sandbox.spec.kind != "container":
             raise UnsupportedKindError(f"snapshots of {sandbox.spec.kind} sandboxes are not supported yet")
         substrate = service.substrates[sandbox.spec.kind]
-        upper = Path(sandbox.instance.extra.get("upper") or sandbox.instance.directory / "upper")
+        upper = Path(sandbox.instance.upper or sandbox.instance.directory / "upper")
         frozen = sandbox.state.value == "paused"
         with self.store.staging() as staging:
             if not frozen:
@@ -262,7 +262,7 @@ class NodeImages:
                 why = "timed out" if result.timed_out else f"exited {result.exit_code}"
                 raise ImageError(f"build step {number} (RUN {cmd!r}) {why}:\n{tail}")
             if sandbox.resolv_written:  # the node's resolver address is the build's, not the image's
-                upper = Path(sandbox.instance.extra.get("upper") or sandbox.instance.directory / "upper")
+                upper = Path(sandbox.instance.upper or sandbox.instance.directory / "upper")
                 await asyncio.to_thread(_forget_upper_file, upper, "etc", "resolv.conf")
             return await self.snapshot_layer(service, sandbox)
         finally:

@@ -55,7 +55,7 @@ def write_record(sandbox: Sandbox) -> None:
         "created_at": sandbox.created_at,
         "expires_at": sandbox.expires_at,
         "agent_socket": str(sandbox.instance.agent_socket),
-        "extra": {k: v for k, v in sandbox.instance.extra.items() if isinstance(v, str | int | float | bool)},
+        "instance": {"runtime": sandbox.instance.runtime, "pid": sandbox.instance.pid, "upper": sandbox.instance.upper},
     }
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as handle:
@@ -91,8 +91,8 @@ async def adopt(directory: Path, node_images: NodeImages) -> Sandbox:
     if network.normalise(spec.network):
         raise NotAdoptable("its network plumbing (veth, nftables rules) does not survive a node restart yet")
     cgroup_path = record["cgroup"]
-    extra: dict[str, Any] = {"runtime": record.get("runtime", "crun"), **node.get("extra", {})}
-    pid = extra.get("pid")  # the agent's host pid (not known under gVisor, whose agent answers or not)
+    facts: dict[str, Any] = node.get("instance") or node.get("extra") or {}  # "extra": records of older nodes
+    pid = facts.get("pid")  # the agent's host pid (not known under gVisor, whose agent answers or not)
     if pid is not None and pid not in cgroups.procs(cgroup_path):
         raise NotAdoptable(f"its agent (pid {pid}) no longer runs in cgroup {cgroup_path}")
     instance = Instance(
@@ -101,7 +101,9 @@ async def adopt(directory: Path, node_images: NodeImages) -> Sandbox:
         directory=directory,
         agent_socket=Path(node.get("agent_socket") or directory / "agent.sock"),
         cgroup_path=cgroup_path,
-        extra=extra,
+        runtime=facts.get("runtime") or record.get("runtime", "crun"),
+        pid=pid,
+        upper=facts.get("upper"),
     )
     agent = AgentClient(str(instance.agent_socket))
     state = State.PAUSED if frozen(cgroup_path) else State.READY

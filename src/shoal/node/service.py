@@ -428,7 +428,7 @@ class NodeService:
 
     async def _apply_network(self, sandbox: Sandbox, spec: network.NetworkSpec) -> dict[str, Any]:
         policy = await self._resolve_policy(spec)
-        pid = sandbox.instance.extra.get("pid")
+        pid = sandbox.instance.pid
         if pid is None:
             raise InvalidRequestError(
                 f"network policies need the sandbox's agent pid on the host, which {sandbox.spec.kind} sandboxes on "
@@ -583,7 +583,7 @@ class NodeService:
         Where the node knows the agent's host pid, the process table answers (a busy host cannot make
         that look like death); otherwise the agent must answer a hello.
         """
-        pid = sandbox.instance.extra.get("pid")
+        pid = sandbox.instance.pid
         if pid:
             try:
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

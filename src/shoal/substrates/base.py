@@ -8,7 +8,7 @@ capabilities, never the class, so a new kind is one subclass and an entry in the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -39,7 +39,11 @@ class Instance:
     directory: Path
     agent_socket: Path
     cgroup_path: str
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Container-only facts, typed (they were an untyped `extra` dict): the OCI runtime that runs it, the
+    # agent's host pid once known (None under gVisor), and the writable upper directory of its overlay.
+    runtime: str = ""
+    pid: int | None = None
+    upper: str | None = None
 
 
 class Substrate(ABC):

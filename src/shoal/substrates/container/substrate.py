@@ -63,7 +63,7 @@ class ContainerSubstrate(Substrate):
             directory=directory,
             agent_socket=(agent_dir or directory) / "agent.sock",
             cgroup_path=f"/{self.cgroup_parent}/{sandbox_id}",
-            extra={"runtime": runtime.name},
+            runtime=runtime.name,
         )
         directory.mkdir(parents=True)
         listener: socket.socket | None = None
@@ -78,7 +78,7 @@ class ContainerSubstrate(Substrate):
                 upper = await asyncio.to_thread(self._mount_rootfs, directory, image, disk_mb, shift)
             else:
                 upper = self._mount_rootfs(directory, image)
-            instance.extra["upper"] = str(upper)
+            instance.upper = str(upper)
             config = bundle_config(
                 hostname="sandbox",
                 agent_binary=self.agent_binary,
@@ -99,7 +99,7 @@ class ContainerSubstrate(Substrate):
             fd = listener.fileno() if listener else None
             await runtime.run_detached(sandbox_id, directory, fd, directory / "runtime.log")
             if agent_dir is None:
-                instance.extra["pid"] = pid = int((directory / "pid").read_text())
+                instance.pid = pid = int((directory / "pid").read_text())
                 _shield_from_oom_killer(pid)
             else:
                 await _wait_for_socket(instance.agent_socket, directory / "runtime.log")
@@ -131,8 +131,8 @@ class ContainerSubstrate(Substrate):
         return base / "upper"
 
     async def destroy(self, instance: Instance) -> None:
-        runtime = self.runtime(instance.extra.get("runtime", "crun"))
-        pid = instance.extra.get("pid")
+        runtime = self.runtime(instance.runtime or "crun")
+        pid = instance.pid
         if not (pid and await runtime.kill_directly(instance.id, pid, instance.cgroup_path)):
             await runtime.delete(instance.id)
         await asyncio.to_thread(_remove_leftovers, instance.directory, instance.cgroup_path)
@@ -149,10 +149,10 @@ class ContainerSubstrate(Substrate):
         await asyncio.to_thread(_remove_leftovers, directory, record["cgroup"])
 
     async def pause(self, instance: Instance) -> None:
-        await self.runtime(instance.extra.get("runtime", "crun")).pause(instance.id)
+        await self.runtime(instance.runtime or "crun").pause(instance.id)
 
     async def resume(self, instance: Instance) -> None:
-        await self.runtime(instance.extra.get("runtime", "crun")).resume(instance.id)
+        await self.runtime(instance.runtime or "crun").resume(instance.id)
 
 
 async def _wait_for_socket(path: Path, log: Path, timeout: float = 30.0) -> None:
