@@ -340,6 +340,15 @@ class NodeService:
             known = "unknown kind" if spec.kind not in KINDS else "not available on this node yet"
             raise UnsupportedKindError(f"kind {spec.kind!r}: {known}; kinds available here: {', '.join(self.kinds())}")
         resources.check(spec)
+        if (
+            spec.disk_mb is not None
+            and spec.kind in self.substrates
+            and not self.substrates[spec.kind].capabilities.disk_cap
+        ):
+            raise UnsupportedKindError(  # refused, not ignored: a cap that does not hold is worse than none
+                f"disk_mb={spec.disk_mb}: {spec.kind} sandboxes have no disk cap yet; leave disk_mb unset or use "
+                f"kind={' or '.join(repr(k) for k in self._kinds_with('disk_cap'))}"
+            )
         if spec.ttl_s is not None and spec.ttl_s <= 0:
             raise InvalidRequestError(f"ttl_s={spec.ttl_s} must be positive (or None for no limit)")
         network.normalise(spec.network)
