@@ -379,6 +379,8 @@ def test_a_killed_trainer_comes_back_through_another_gateway(cluster: LocalClust
         with pytest.raises(shoal.DivergenceError):
             back.exec("echo something else")
 
+        where = client.trajectory_find(name)
+        assert [(w["sandbox_id"], w["status"], w["trajectory"]) for w in where] == [(sandbox_id, "live", name)]
         log = client.log(name)
         assert [s["seq"] for s in log["steps"]] == [0, 1, 2, 3] and log["sandbox"]["id"] == sandbox_id
         report = client.replay(name)

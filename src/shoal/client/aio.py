@@ -380,6 +380,23 @@ class AsyncClient:
         """The node's figures (through a gateway: summed over the nodes, each under `nodes`)."""
         return await self.call("status")
 
+    async def hello(self) -> dict[str, Any]:
+        """Who answers: a node ({"node_id", "pid", "kinds"}) or a gateway ({"gateway", "nodes", "kinds"})."""
+        return await self.call("hello", {})
+
+    async def cluster_status(self) -> dict[str, Any]:
+        """(gateway) Its view of the cluster: each node's health, load and sandboxes, the admission queue."""
+        return await self.call("cluster_status", {})
+
+    async def metrics(self) -> str:
+        """(gateway) Its Prometheus metrics, as text."""
+        return await self.call("metrics", {})
+
+    async def trajectory_find(self, target: str) -> list[dict[str, Any]]:
+        """Where a sandbox ID or trajectory name of yours lives: [] if nowhere, else one entry per node that
+        holds it ({"sandbox_id", "trajectory", "status": live|closed|lost, "node_id"}), live ones first."""
+        return await self.call("trajectory_find", {"target": target})
+
     async def kinds(self) -> list[str]:
         """The sandbox kinds this node can make (microvm/vm need QEMU on the node's host)."""
         return (await self.call("hello"))["kinds"]

@@ -171,6 +171,18 @@ class Client:
     def status(self) -> dict[str, Any]:
         return self._run(self._async.status())
 
+    def hello(self) -> dict[str, Any]:
+        return self._run(self._async.hello())
+
+    def cluster_status(self) -> dict[str, Any]:
+        return self._run(self._async.cluster_status())
+
+    def metrics(self) -> str:
+        return self._run(self._async.metrics())
+
+    def trajectory_find(self, target: str) -> list[dict[str, Any]]:
+        return self._run(self._async.trajectory_find(target))
+
     def kinds(self) -> list[str]:
         return self._run(self._async.kinds())
 
