@@ -96,6 +96,9 @@ def ways(cluster: LocalCluster) -> Iterator[dict[str, tuple[shoal.Client, str | 
         for client, sandbox in out.values():
             if sandbox is not None:
                 client.kill(sandbox)
+        if "unix" in out:  # every image the operations made was removed again
+            assert [n for n in out["unix"][0].images() if "ops-" in n] == []
+        for client, _ in out.values():
             client.close()
 
 
@@ -253,8 +256,10 @@ def test_every_operation_through_every_way_in(
         return
     finally:
         if name in CLEANUP:
+            made = args[CLEANUP[name]]  # a project's images live in its namespace on the node (cluster/tenancy.py)
+            made = made if transport in ("unix", "gateway-admin") else f"@{PROJECT}/{made}"
             with contextlib.suppress(shoal.NotFoundError):
-                ways["unix"][0].call("image_rm", {"name": args[CLEANUP[name]]})
+                ways["unix"][0].call("image_rm", {"name": made})
     assert expected is None, f"{name} via {transport} should have raised {expected.__name__}, returned {result!r}"
     if name == "create":
         client.kill(result["id"])

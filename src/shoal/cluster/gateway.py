@@ -382,10 +382,15 @@ class Gateway:
                 tried.add(view.node_id)
 
     async def _fanout(
-        self, op: ops.Op, args: dict[str, Any], project: str | None, on_event: Callable | None = None
+        self,
+        op: ops.Op,
+        args: dict[str, Any],
+        project: str | None,
+        on_event: Callable | None = None,
+        views: list[NodeView] | None = None,
     ) -> Any:
-        """Send to every healthy node and merge the answers as the table says (`op.merge`)."""
-        views = self.healthy()
+        """Send to every healthy node (or `views`) and merge the answers as the table says (`op.merge`)."""
+        views = self.healthy() if views is None else views
         if project is not None:
             args["_project"] = project
 
@@ -431,15 +436,21 @@ class Gateway:
 
     async def find(self, target: str, project: str | None) -> list[dict[str, Any]]:
         """Every node's answer to "where is `target` (sandbox ID or trajectory name) of `project`": the
-        source of truth for a name, whatever the node set was when it was made. Live entries first."""
-        rows = await self._fanout(ops.OPS["trajectory_find"], {"target": target}, project)
+        source of truth for a name, whatever the node set was when it was made. Live entries first. Every
+        member is asked, also one this gateway saw fail a poll: under load a view can be wrong for a moment,
+        and a holder left out would make its name look new."""
+        rows = await self._fanout(
+            ops.OPS["trajectory_find"], {"target": target}, project, views=list(self.nodes.values())
+        )
         return sorted(rows, key=lambda row: row["status"] != "live")
 
     def home(self, name: str, project: str, kind: str) -> NodeView | None:
-        """The node where trajectory `name` of `project` is made: rendezvous hashing over the healthy nodes
-        that run `kind`, so every gateway with the same view picks the same node, and that node serialises
-        concurrent creates of the name (two trainers racing through two gateways get one sandbox)."""
-        options = [v for v in self.healthy() if kind in v.kinds]
+        """The node where trajectory `name` of `project` is made: rendezvous hashing over the member nodes
+        that run `kind` (healthy or not: gateways agree on membership more than on health), so every gateway
+        picks the same node, and that node serialises concurrent creates of the name (two trainers racing
+        through two gateways get one sandbox). Only if the home cannot be reached is the name placed
+        elsewhere."""
+        options = [v for v in self.nodes.values() if kind in v.kinds]
         if not options:
             return None
 
@@ -526,7 +537,7 @@ class Gateway:
                 await self.admission.acquire(project, deadline, front=front)
                 front = True
                 try:
-                    if pinned is not None and pinned.healthy and pinned.node_id not in tried:
+                    if pinned is not None and pinned.node_id not in tried:  # tried even if it looked down
                         view: NodeView | None = pinned  # a new trajectory: its home node (see `home`)
                     else:
                         view = placement.choose(
