@@ -6,12 +6,16 @@ ended (the rollout finished the episode, then died before recording it), the epi
 log: every re-issued step returns its logged result and nothing runs; a step past the log's end raises
 `SandboxClosedError`. Either way a command never runs twice.
 
-`Runner` is an event loop on a daemon thread, for the blocking adapters (Gymnasium) that drive the async SDK.
+`Runner` is an event loop on a daemon thread, for the blocking adapters (Gymnasium, skyrl-gym) that drive the
+async SDK; `shared_client(options)` is one such loop and one connection per process and option set, shared by
+every environment that asks (many envs stepped from many threads then cost one loop and one connection).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import json
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -100,3 +104,34 @@ class Runner:
         self._thread.join(timeout=5)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+_shared: dict[str, tuple[Runner, AsyncClient]] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_client(options: dict[str, Any] | None = None) -> tuple[Runner, AsyncClient]:
+    """The process's loop thread and connected client for these AsyncClient options (made on first use)."""
+    key = json.dumps(options or {}, sort_keys=True, default=str)
+    with _shared_lock:
+        if key not in _shared:
+            runner = Runner()
+            try:
+                client = runner.run(AsyncClient(**(options or {})).connect())
+            except BaseException:
+                runner.stop()
+                raise
+            if not _shared:
+                atexit.register(_close_shared)
+            _shared[key] = (runner, client)
+        return _shared[key]
+
+
+def _close_shared() -> None:
+    with _shared_lock:
+        for runner, client in _shared.values():
+            try:
+                runner.run(client.close())
+            finally:
+                runner.stop()
+        _shared.clear()

@@ -9,8 +9,9 @@
 
 An action is the model's text: the command inside its last <bash>...</bash> block is run (no block: the
 episode ends). The reward is scored by `reward_command` when the episode ends (its stdout as a number, or its
-exit status). skyrl-gym's `Env` API is blocking, so the environment drives the async SDK on a private loop
-thread. `env_config` keys other than the ones above go to `client.create`; `client` (a dict) to AsyncClient.
+exit status). skyrl-gym's `Env` API is blocking, so the environment drives the async SDK on a loop thread
+shared by all envs of the process (`shoal.rl.episode.shared_client`). `env_config` keys other than the ones
+above go to `client.create`; `client` (a dict) to AsyncClient.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from typing import Any
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput, ConversationType
 from skyrl_gym.envs.registration import register, registry
 
-from shoal.client import AsyncClient
-from shoal.rl.episode import Episode, Runner
+from shoal.rl.episode import Episode, shared_client
 
 _BASH = re.compile(r"<bash>(.*?)</bash>", re.S)
 _ENV_KEYS = {"client", "timeout", "reward_command", "max_turns", "kind", "image"}
@@ -36,11 +36,10 @@ class ShoalTextEnv(BaseTextEnv):
         self.max_turns = int(config.get("max_turns", 8))
         self.trajectory = (extras or {}).get("trajectory")
         self.episode: Episode | None = None
-        self._runner = Runner()
-        self._client: AsyncClient | None = None
+        # one loop thread and connection per process, shared by every env (SkyRL steps envs from a thread pool)
+        self._runner, self._client = shared_client(dict(self.config.get("client", {})))
 
     async def _open(self) -> Episode:
-        self._client = await AsyncClient(**dict(self.config.get("client", {}))).connect()
         options = {k: v for k, v in self.config.items() if k not in _ENV_KEYS}
         return await Episode.open(
             self._client,
@@ -84,22 +83,10 @@ class ShoalTextEnv(BaseTextEnv):
         )
 
     def close(self) -> None:
-        if self._runner is None:
-            return
-
-        async def shut() -> None:
-            if self.episode is not None:
-                episode, self.episode = self.episode, None
-                await episode.close()
-            if self._client is not None:
-                client, self._client = self._client, None
-                await client.close()
-
-        try:
-            self._runner.run(shut())
-        finally:
-            self._runner.stop()
-            self._runner = None
+        """Close this episode's sandbox (the shared connection stays for the process's other envs)."""
+        if self.episode is not None:
+            episode, self.episode = self.episode, None
+            self._runner.run(episode.close())
 
 
 if "shoal" not in registry:
