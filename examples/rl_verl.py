@@ -9,6 +9,8 @@ rollout worker would call them (no model).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 
 from rl_common import IMAGE, OPTIONS, REWARD, STEPS, compare, native_round
 
@@ -16,7 +18,8 @@ from shoal.rl.verl import ShoalTool
 
 
 async def trajectories(n: int) -> list[float]:
-    tool = ShoalTool({"image": IMAGE, "reward_command": REWARD, **OPTIONS})
+    with contextlib.redirect_stdout(io.StringIO()):  # BaseTool prints its schema
+        tool = ShoalTool({"image": IMAGE, "reward_command": REWARD, **OPTIONS})
 
     async def one() -> float:
         instance_id, _ = await tool.create()
@@ -34,9 +37,4 @@ async def trajectories(n: int) -> list[float]:
 
 
 if __name__ == "__main__":
-    import contextlib
-    import io
-
-    with contextlib.redirect_stdout(io.StringIO()):  # BaseTool prints its schema
-        ShoalTool({}, None)
     compare("verl", lambda n: asyncio.run(trajectories(n)), native_round)
