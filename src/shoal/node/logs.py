@@ -12,14 +12,8 @@ from typing import Any
 
 from shoal.errors import SandboxNotFoundError, UnsupportedKindError
 from shoal.node.sandbox import Sandbox
+from shoal.node.table import FUNCTION_OPS
 from shoal.node.trajectory import TrajectoryLog
-
-# A function sandbox has no process of its own between calls: what needs one says so, and names what works.
-FUNCTION_OPS = (
-    "sandbox {sandbox_id} is a function sandbox: it has no long-lived process, so it cannot be paused, "
-    "snapshotted, forked, given a shell or a network policy, and keeps no step log (attach, log, replay); "
-    "it supports exec, files, keepalive, get and kill. Use kind='container' (or microvm/vm) for the rest"
-)
 
 
 class TrajectoryQueries:

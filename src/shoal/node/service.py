@@ -41,10 +41,11 @@ from shoal.node import gui, network, recovery
 from shoal.node.functions import FunctionService
 from shoal.node.images import NodeImages
 from shoal.node.lifecycle import ON_TIMEOUT, Lifecycle
-from shoal.node.logs import FUNCTION_OPS, TrajectoryQueries
+from shoal.node.logs import TrajectoryQueries
 from shoal.node.pools import WarmPools
 from shoal.node.sandbox import Sandbox, State
 from shoal.node.shell import ShellSession
+from shoal.node.table import NODE_RESTARTED, SandboxTable
 from shoal.node.trajectory import Recorder, TrajectoryLog
 from shoal.protocol import (
     KINDS,
@@ -69,7 +70,6 @@ Emit = Callable[[Any], Awaitable[None]]
 MIN_MEMORY_MB = 8
 MIN_DISK_MB = 4
 KILL_GRACE_S = 2.0
-NODE_RESTARTED = "its node process died (its sandboxes with it) and was restarted"
 
 
 class NodeService:
@@ -88,17 +88,18 @@ class NodeService:
 
             for cls in (MicrovmSubstrate, VmSubstrate):
                 self.substrates[cls.kind] = cls(paths.home, paths.sandboxes)
-        self.sandboxes: dict[str, Sandbox] = {}
+        self.trajectory = TrajectoryLog(paths.home / "trajectory.db")
+        self.functions = FunctionService(self)
+        self.table = SandboxTable(settings.node_id, self.trajectory, self.functions.owns)
+        self.sandboxes = self.table.live
+        self.closed = self.table.closed
         self.shells: dict[str, ShellSession] = {}
-        self.closed: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.pools = WarmPools(self.make_sandbox, self.destroy_sandbox)
         self.network = network.NetworkManager(paths.home)
         self.started_at = time.time()
         self._creating = 0
         self._destroying: set[asyncio.Future] = set()
         self._reaper: asyncio.Task | None = None
-        self.functions = FunctionService(self)
-        self.trajectory = TrajectoryLog(paths.home / "trajectory.db")
         self.logs = TrajectoryQueries(self.trajectory, self.sandboxes, settings.node_id, self.functions.owns)
         self.recorder = Recorder(self.trajectory)
         self.lifecycle = Lifecycle(self)
@@ -505,21 +506,7 @@ class NodeService:
         return await self.exec(ExecRequest(sandbox_id=sandbox.id, cmd=argv, timeout=timeout))
 
     def _get(self, sandbox_id: str) -> Sandbox:
-        sandbox = self.sandboxes.get(sandbox_id)
-        if sandbox is None:
-            reason = self.closed.get(sandbox_id)
-            if reason is None and (row := self.trajectory.sandbox(sandbox_id)) is not None and row["reason"]:
-                reason = row["reason"]  # closed before this node process started
-            if reason is not None and (reason == NODE_RESTARTED or reason.startswith("lost: " + NODE_RESTARTED)):
-                raise SandboxLostError(f"sandbox {sandbox_id} is {reason}")
-            if reason is not None:
-                raise SandboxClosedError(f"sandbox {sandbox_id} is closed ({reason})")
-            if self.functions.owns(sandbox_id):
-                raise UnsupportedKindError(FUNCTION_OPS.format(sandbox_id=sandbox_id))
-            raise SandboxNotFoundError(f"no sandbox {sandbox_id} on node {self.settings.node_id}")
-        if sandbox.state is State.LOST:
-            raise SandboxLostError(f"sandbox {sandbox_id} is lost: {sandbox.lost_reason}")
-        return sandbox
+        return self.table.get(sandbox_id)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         if self.functions.owns(sandbox_id):
@@ -562,9 +549,7 @@ class NodeService:
         return self._creating
 
     def remember_closed(self, sandbox_id: str, reason: str) -> None:
-        self.closed[sandbox_id] = reason
-        while len(self.closed) > 100_000:
-            self.closed.popitem(last=False)
+        self.table.remember_closed(sandbox_id, reason)
 
     async def close_all(self, labels: dict[str, str] | None = None) -> int:
         doomed = [s.id for s in self.sandboxes.values() if s.matches(labels)]
