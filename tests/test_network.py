@@ -344,18 +344,49 @@ def test_no_plumbing_left_after_close(nclient: shoal.Client, netnode: NodeProces
     assert not no_leftovers(netnode.home, netnode.cgroup_parent)
 
 
-def test_killed_node_leaves_no_plumbing(tmp_path: Path) -> None:
+def test_killed_node_readopts_networked_sandboxes_with_their_policy(
+    tmp_path: Path, hosts: tuple[EchoHost, EchoHost]
+) -> None:
+    """kill -9 of the node: its networked containers are adopted by the next one with the same address and
+    policy (re-plumbed on their recorded slots); one that died meanwhile is lost and leaves no plumbing."""
+    a, b = hosts
+    allowed, other_port, other_host = f"{a.address}:8080", f"{a.address}:9090", f"{b.address}:8080"
+    expect = {allowed: "open", other_port: "closed", other_host: "closed"}
     doomed = NodeProcess(tmp_path / "home", f"shoal-test-netkill-{os.getpid()}").start()
-    with doomed.client() as client:
-        client.create(image="busybox", pool=False, network="0.0.0.0/0")
-        client.create(image="busybox", pool=False, network="0.0.0.0/0")
-    doomed.stop(signal.SIGKILL)
-    assert no_leftovers(doomed.home, doomed.cgroup_parent)["links"]  # the SIGKILL really left some
-    doomed.start()
+    restarted = None
     try:
-        assert not no_leftovers(doomed.home, doomed.cgroup_parent)
-    finally:
-        doomed.stop()
+        with doomed.client() as client:
+            kept = [
+                client.create(image="debian", pool=False, network=[f"tcp://{allowed}"], ttl_s=900) for _ in range(3)
+            ]
+            victim = client.create(image="busybox", pool=False, network="0.0.0.0/0", ttl_s=900)
+            addresses = {}
+            for sb in kept:
+                assert reach(sb, allowed, other_port, other_host) == expect
+                addresses[sb.id] = sb.exec("cat /etc/resolv.conf; grep -v '^lo' /proc/net/fib_trie | sort -u").stdout
+                assert "nameserver" in addresses[sb.id] and "|--" in addresses[sb.id], addresses[sb.id]
+            victim_pid = int((doomed.home / "sandboxes" / victim.id / "pid").read_text())
+        doomed.stop(signal.SIGKILL)
+        assert no_leftovers(doomed.home, doomed.cgroup_parent)["links"]  # the SIGKILL really left them
+        os.kill(victim_pid, signal.SIGKILL)  # dies while no node watches it
+        restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
+        with restarted.client() as client:
+            status = client.status()
+            assert sorted(status["adopted"]) == sorted(sb.id for sb in kept)
+            assert list(status["lost"]) == [victim.id]
+            for sb in kept:
+                again = client.get(sb.id)
+                assert reach(again, allowed, other_port, other_host) == expect  # the policy still holds
+                same = again.exec("cat /etc/resolv.conf; grep -v '^lo' /proc/net/fib_trie | sort -u").stdout
+                assert same == addresses[sb.id]  # same address, gateway and resolver
+            assert client.close_all() == 3
+        found = no_leftovers(restarted.home, restarted.cgroup_parent)
+        assert not found, found
+    finally:  # also after a failed assertion: a node on this home closes whatever is left
+        if restarted is None:
+            doomed.stop(signal.SIGKILL)
+            restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
+        restarted.stop()
     assert not no_leftovers(doomed.home, doomed.cgroup_parent, node_stopped=True)
 
 

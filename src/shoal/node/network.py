@@ -346,20 +346,25 @@ table inet {self.table} {{
 
     # ------------------------------------------------------------------ per sandbox
 
-    async def apply(self, sandbox_id: str, pid: int, directory: Path, policy: Policy) -> Attachment | None:
+    async def apply(
+        self, sandbox_id: str, pid: int, directory: Path, policy: Policy, *, reattach: bool = False
+    ) -> Attachment | None:
         """Give the sandbox (agent `pid`) this policy, plumbing its veth on first use. Atomic per call;
-        concurrent calls for one sandbox apply in turn."""
+        concurrent calls for one sandbox apply in turn. `reattach`: a sandbox re-adopted after a node restart
+        gets the slot recorded in its network.json again (so its address and resolver stay the same)."""
         lock = self._sandbox_locks.setdefault(sandbox_id, asyncio.Lock())
         async with lock:
-            return await self._apply(sandbox_id, pid, directory, policy)
+            return await self._apply(sandbox_id, pid, directory, policy, reattach)
 
-    async def _apply(self, sandbox_id: str, pid: int, directory: Path, policy: Policy) -> Attachment | None:
+    async def _apply(
+        self, sandbox_id: str, pid: int, directory: Path, policy: Policy, reattach: bool = False
+    ) -> Attachment | None:
         attachment = self.attachments.get(sandbox_id)
         new = attachment is None
         if attachment is None:
             if policy.none:
                 return None
-            attachment = await self._attach(sandbox_id, pid, directory)
+            attachment = await self._attach(sandbox_id, pid, directory, recorded_slot(directory) if reattach else None)
         body = "\n".join(f"    {line}" for line in policy.chain_body())
         script = f"table inet {self.table} {{\n  chain {attachment.chain} {{\n{body}\n  }}\n}}"
         if new:  # the chain, its rules and the jump to it appear in one transaction
@@ -375,11 +380,14 @@ table inet {self.table} {{
         attachment.policy = policy
         return attachment
 
-    async def _attach(self, sandbox_id: str, pid: int, directory: Path) -> Attachment:
+    async def _attach(self, sandbox_id: str, pid: int, directory: Path, wanted: int | None = None) -> Attachment:
         await self._ensure_ready()
         async with self._lock:
-            slot = next((s for s in range(1, self.slots + 1) if s not in self._used_slots and not _address_in_use(
+            candidates = range(1, self.slots + 1) if wanted is None else [wanted]
+            slot = next((s for s in candidates if s not in self._used_slots and not _address_in_use(
                 str(self.config.pool.network_address + 4 * s + 1))), None)  # fmt: skip
+            if slot is None and wanted is not None:
+                raise NetworkError(f"its recorded address slot {wanted} is taken; it cannot keep its address")
             if slot is None:
                 raise NetworkError(f"the node's address pool {self.config.pool} is exhausted; set a larger 'pool'")
             self._used_slots.add(slot)
@@ -438,6 +446,14 @@ table inet {self.table} {{
         """May `client_ip` resolve names outside its policy's list (its policy allows every address)?"""
         attachment = self._by_address.get(client_ip)
         return attachment is not None and attachment.policy.any_host
+
+
+def recorded_slot(directory: Path) -> int:
+    """The slot a sandbox's network.json recorded (written before its link is made)."""
+    try:
+        return int(json.loads((directory / "network.json").read_text())["slot"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise NetworkError(f"its network record {directory / 'network.json'} is unreadable ({exc})") from None
 
 
 def host_links(prefix: str) -> list[str]:

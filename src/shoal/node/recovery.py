@@ -7,6 +7,12 @@ image, user and lifetime). A restarted node adopts a sandbox when that record is
 process still lives in its cgroup and (unless frozen) answers; its trajectory log continues where it was.
 Everything else is cleaned up and reported as lost.
 
+A networked sandbox keeps its network namespace; the restarted node removes the old node's links and
+nftables table (so nothing stale stays open) and plumbs it again on its recorded slot (network.json, written
+before the link was made): same address and resolver, the policy re-resolved and applied before the node
+serves requests. Connections open across the restart are cut. Between the crash and the restart the old
+rules keep holding (they are kernel state).
+
 Not carried over: shell sessions (their processes belong to the old node's agent connections) and warm
 pool members (they are cleaned up; the pools refill).
 """
@@ -88,13 +94,13 @@ async def adopt(directory: Path, node_images: NodeImages) -> Sandbox:
     if node is None:
         raise NotAdoptable("the node stopped before the sandbox was ready (or it was a warm-pool member)")
     spec = convert(node["spec"], SandboxSpec)
-    if network.normalise(spec.network):
-        raise NotAdoptable("its network plumbing (veth, nftables rules) does not survive a node restart yet")
     cgroup_path = record["cgroup"]
     facts: dict[str, Any] = node.get("instance") or node.get("extra") or {}  # "extra": records of older nodes
     pid = facts.get("pid")  # the agent's host pid (not known under gVisor, whose agent answers or not)
     if pid is not None and pid not in cgroups.procs(cgroup_path):
         raise NotAdoptable(f"its agent (pid {pid}) no longer runs in cgroup {cgroup_path}")
+    if network.normalise(spec.network) and pid is None:
+        raise NotAdoptable("its network policy needs its agent's host pid to re-attach, which is not known")
     instance = Instance(
         id=record["id"],
         kind=record.get("kind", "container"),

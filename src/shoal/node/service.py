@@ -116,7 +116,8 @@ class NodeService:
         cgroups.set_parent_cpu_weight(f"/{self.settings.cgroup_parent}", weight)
         await asyncio.to_thread(self.node_images.reconcile)  # before adoption re-acquires layers
         await self.reconcile()  # re-adopts what still runs; the rest is remembered as lost
-        await self.network.cleanup_all()  # plumbing of an earlier node's sandboxes (adoption skips networked ones)
+        await self.network.cleanup_all()  # the earlier node's links and rules; adopted networked ones get new
+        await self._reattach_networks()
         self._reaper = asyncio.create_task(self.lifecycle.reap_forever())
         await self.functions.start()
         for shape, size in self.settings.pool_sizes.items():  # SHOAL_POOLS="busybox=4,container:debian=2"
@@ -167,6 +168,26 @@ class NodeService:
         for substrate in self._snapshotting_substrates():
             substrate.delete_all_snapshots()
         return kept
+
+    async def _reattach_networks(self) -> None:
+        """Plumb re-adopted networked sandboxes again on their recorded slots (recovery.py); one that cannot be
+        is closed and reported lost, so no sandbox runs with a policy other than its own."""
+        for sandbox_id in list(self.adopted):
+            sandbox = self.sandboxes.get(sandbox_id)
+            if sandbox is None or not network.normalise(sandbox.spec.network) or sandbox.instance.pid is None:
+                continue
+            try:
+                policy = await self._resolve_policy(sandbox.spec.network)
+                await self.network.apply(
+                    sandbox.id, sandbox.instance.pid, sandbox.instance.directory, policy, reattach=True
+                )
+                sandbox.resolv_written = True  # same slot: the resolver address in its resolv.conf holds
+            except Exception as exc:
+                reason = f"lost: {NODE_RESTARTED}, and its network could not be re-attached: {exc}"
+                log.warning("sandbox %s %s", sandbox_id, reason)
+                self.adopted.remove(sandbox_id)
+                self.lost[sandbox_id] = reason
+                await self.kill(sandbox_id, reason=reason)
 
     async def _settle(self, timeout: float = 60.0) -> None:
         """Wait for creates and destroys in flight (a destroy outlives its cancelled request), so the
