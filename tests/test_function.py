@@ -374,6 +374,24 @@ def test_run_code_languages(client: shoal.Client) -> None:
         client.run_code("x", "cobol")
 
 
+@needs_dev
+def test_run_code_python_behaves_as_python3_main_py(client: shoal.Client) -> None:
+    """Python programs run in a fork of the warm worker, not a fresh python3: the same observable behaviour."""
+    main = "import sys, helper\nprint(__name__, sys.argv, helper.X, input())\nraise SystemExit(int(sys.stdin.read()))"
+    r = client.run_code(main, "python", files={"helper.py": "X = 7"}, stdin="a\n3")
+    assert r.run.exit_code == 3 and r.stdout == "__main__ ['main.py'] 7 a\n", r
+    crash = client.run_code("def f():\n    1 / 0\nf()", "python")
+    assert crash.status == "runtime_error" and crash.run.exit_code == 1, crash
+    stderr = crash.run.stderr
+    assert stderr.startswith("Traceback") and "ZeroDivisionError" in stderr, stderr
+    assert "runpy" not in stderr and 'main.py", line 3' in stderr, stderr
+    said = client.run_code("import sys; print('out'); sys.exit('bye')", "python")
+    assert said.run.exit_code == 1 and said.stdout == "out\n" and said.run.stderr == "bye\n", said
+    assert client.run_code("import os; print(os.getcwd())", "python").stdout == "/work\n"
+    bad = client.run_code("print(1", "python").run.stderr
+    assert "SyntaxError" in bad and "runpy" not in bad, bad
+
+
 def test_killed_node_leaves_no_workers() -> None:
     # not under /tmp/pytest-of-*: every pytest session's teardown (conftest) lazily unmounts sandboxes
     # directories there, also those of other sessions' running nodes

@@ -14,10 +14,11 @@ class Language:
     source: str
     run: tuple[str, ...]
     compile: tuple[str, ...] | None = None
+    forked: bool = False  # python: run in a fork of the warm worker's interpreter (as `run`, without its start)
 
 
 LANGUAGES: dict[str, Language] = {
-    "python": Language("main.py", ("python3", "main.py")),
+    "python": Language("main.py", ("python3", "main.py"), forked=True),
     "bash": Language("main.sh", ("bash", "main.sh")),
     "c": Language("main.c", ("./main",), ("gcc", "-O2", "-std=gnu17", "-o", "main", "main.c", "-lm")),
     "c++": Language("main.cpp", ("./main",), ("g++", "-O2", "-std=gnu++17", "-o", "main", "main.cpp")),
@@ -36,7 +37,8 @@ def run_code_steps(
     if lang.compile:
         steps.append({"argv": list(lang.compile), "timeout": compile_timeout, "cap": cap, "stop_on_failure": True})
     stdin_b64 = base64.b64encode(stdin).decode() if stdin else None
-    steps.append({"argv": list(lang.run), "timeout": run_timeout, "cap": cap, "stdin": stdin_b64})
+    run: dict[str, Any] = {"script": lang.source} if lang.forked else {"argv": list(lang.run)}
+    steps.append({**run, "timeout": run_timeout, "cap": cap, "stdin": stdin_b64})
     return steps, lang.source
 
 

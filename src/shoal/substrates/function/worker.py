@@ -358,6 +358,8 @@ class Worker:
                 os._exit(126 if exc.errno in (errno.EACCES, errno.ENOEXEC) else 127)
         os.environ.clear()
         os.environ.update(env)
+        if "script" in step:
+            os._exit(run_script(step["script"]))
         sys.argv = ["<shoal call>"]
         os._exit(run_python(step["python"]))
 
@@ -574,6 +576,40 @@ def run_python(spec: dict) -> int:
     while view:
         view = view[os.write(RESULT_FD, view) :]
     return 0
+
+
+def run_script(path: str) -> int:
+    """`python3 <path>` without starting an interpreter: run it as __main__ in this forked child of the warm
+    worker (its directory first on sys.path, argv [path]); the exit code python3 would give."""
+    import runpy
+
+    sys.argv = [path]
+    sys.path[0] = os.path.dirname(os.path.abspath(path))
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - fds 0-2 are this call's pipes now
+    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+    code = 0
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:  # noqa: BLE001 - as python3 does: the traceback on stderr, exit code 1
+        kind, value, tb = sys.exc_info()
+        user = tb
+        while user is not None and user.tb_frame.f_code.co_filename not in (path, os.path.abspath(path)):
+            user = user.tb_next  # the user's frames only, as python3 prints them (not runpy's)
+        traceback.print_exception(kind, value, user if user or isinstance(value, SyntaxError) else tb)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001 - a closed or broken pipe: nothing more to say
+            pass
+    return code & 0xFF
 
 
 def run_cell(source: str, namespace: dict):  # noqa: ANN201
