@@ -136,3 +136,10 @@ def no_screen(sandbox_id: str, kind: str) -> NoScreenError:
         f"sandbox {sandbox_id} ({kind}) has no screen: create it with image='desktop' (or screen=(w, h) on an "
         "image with Xvfb and python3-xlib); GUI on VMs is not implemented yet"
     )
+
+
+def display_lost(sandbox_id: str) -> NodeError:
+    return NodeError(
+        f"sandbox {sandbox_id}'s display ended with the node that started it (re-adopted sandboxes keep their "
+        "files and processes, not their screen): create a new desktop"
+    )

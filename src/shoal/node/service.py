@@ -1150,6 +1150,8 @@ class NodeService:
         if self.functions.owns(sandbox_id):
             raise gui.no_screen(sandbox_id, "function")
         sandbox = self._get(sandbox_id)
+        if sandbox.screen is None and gui.screen_of(sandbox.spec.image, sandbox.spec.screen) is not None:
+            raise gui.display_lost(sandbox_id)
         if sandbox.screen is None:
             raise gui.no_screen(sandbox_id, sandbox.spec.kind)
         run = functools.partial(sandbox.screen.act, action, dict(args or {}))
