@@ -110,6 +110,11 @@ def test_tokens_and_bad_requests(cluster: LocalCluster) -> None:
         bearer = {"Authorization": f"Bearer {cluster.project_tokens['alice']}"}
         ok = requests.post(f"{plain}/run_code", json=body, headers=bearer, timeout=60).json()
         assert ok["status"] == "Success" and ok["run_result"]["stdout"] == "1\n", ok
+        admin = {"Authorization": f"Bearer {cluster.cluster_token}"}
+        ok = requests.post(f"{plain}/run_code", json=body, headers=admin, timeout=60).json()
+        assert ok["status"] == "Success" and ok["run_result"]["stdout"] == "1\n", ok
+        huge = requests.post(f"{endpoint}/run_code", json={**body, "memory_limit_MB": 1 << 20}, timeout=60).json()
+        assert huge["status"] == "SandboxError" and "memory_limit_MB" in huge["message"], huge
         go = requests.post(f"{endpoint}/run_code", json={"code": "package main", "language": "go"}, timeout=60)
         assert go.status_code == 200 and go.json()["status"] == "SandboxError" and "'go'" in go.json()["message"]
         with pytest.raises(Exception, match="SandboxError|not supported"):
