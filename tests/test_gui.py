@@ -91,3 +91,16 @@ def test_a_sandbox_without_a_screen_says_so(client: shoal.Client) -> None:
         sb.gui.screenshot()
     with pytest.raises(shoal.InvalidRequestError, match="screen"):
         client.create("container", image="desktop", screen=(1, 2), pool=False, ttl_s=60)
+
+
+async def test_async_gui_and_a_paused_desktop(aclient: shoal.AsyncClient) -> None:
+    sb = await aclient.create("container", image="desktop", screen=(640, 480), pool=False, ttl_s=600)
+    try:
+        shot = await sb.gui.screenshot()
+        assert shot.size == (640, 480) and _png_size(shot.png) == (640, 480)
+        await sb.gui.move(20, 30)
+        await sb.pause()
+        assert await sb.gui.cursor() == (20, 30)  # any request resumes a paused sandbox
+        assert (await sb.gui.screenshot()).size == (640, 480)
+    finally:
+        await sb.close()
