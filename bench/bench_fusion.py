@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -115,6 +116,8 @@ def main() -> None:
         measure("POST /run_code (gateway HTTP)", lambda: over_http(f"http://{gateway.http}", token, n, c), pids, n)
     finally:
         lc.stop()
+        if str(workdir) not in Path("/proc/mounts").read_text():  # nothing left mounted: the run's files go
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
