@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 import shoal
+from shoal import protocol
 
 KINDS = ["container", "microvm", "vm"]
 IMAGE = "debian"
@@ -49,7 +50,10 @@ def test_timeouts_and_cap(kind_sb: shoal.Sandbox) -> None:
     idle = kind_sb.exec("echo a; sleep 60", idle_timeout=5, timeout=40)
     assert idle.timed_out and idle.stdout == "a\n" and idle.duration_s < 30
     big = kind_sb.exec("head -c 3000000 /dev/zero | tr '\\0' x", output_cap_bytes=100_000)
-    assert big.truncated and len(big.stdout) == 100_000 and big.exit_code == 0
+    # The cap keeps head and tail (100,000 bytes in all) and marks the cut in between.
+    marker = protocol.cut_marker(3_000_000 - 100_000).decode()
+    assert big.truncated and big.exit_code == 0 and big.stdout_omitted == 3_000_000 - 100_000
+    assert big.stdout == "x" * 50_000 + marker + "x" * 50_000
 
 
 def test_files(kind_sb: shoal.Sandbox) -> None:
