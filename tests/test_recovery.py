@@ -109,3 +109,36 @@ def test_step_in_flight_at_node_death_is_not_run_twice(tmp_path: Path) -> None:
     finally:
         (restarted or doomed).stop()
     assert not no_leftovers(doomed.home, doomed.cgroup_parent, node_stopped=True)
+
+
+def test_a_shell_lost_in_a_node_restart_says_so(tmp_path: Path) -> None:
+    """A shell's process belongs to the node that opened it; after kill -9 of the node the sandbox is adopted
+    but the shell is not: using it is a ShellLostError naming the restart, and a new shell works."""
+    doomed = NodeProcess(tmp_path / "home", f"shoal-test-shell-{os.getpid()}").start()
+    restarted = None
+    try:
+        with doomed.client() as client:
+            sb = client.create(image="busybox", pool=False, ttl_s=600)
+            old = sb.shell()
+            assert old.run("cd /tmp && echo $PWD").stdout == "/tmp\n"
+            closed = sb.shell()
+            closed.close()
+            with pytest.raises(shoal.SandboxNotFoundError, match="it was closed") as info:
+                closed.run("true")
+            assert not isinstance(info.value, shoal.ShellLostError)
+        doomed.stop(signal.SIGKILL)
+        restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
+        with restarted.client() as client:
+            again = client.get(sb.id)
+            with pytest.raises(shoal.ShellLostError, match="node restarted since it was opened.*open a new one"):
+                client._run(client._async.call("shell_run", {"shell_id": old.id, "cmd": "pwd"}))
+            with again.shell() as fresh:
+                assert fresh.run("cd /etc && pwd").stdout == "/etc\n"
+            again.close()
+        assert not no_leftovers(restarted.home, restarted.cgroup_parent)
+    finally:
+        if restarted is None:
+            doomed.stop(signal.SIGKILL)
+            restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
+        restarted.stop()
+    assert not no_leftovers(doomed.home, doomed.cgroup_parent, node_stopped=True)

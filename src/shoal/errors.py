@@ -27,6 +27,11 @@ class SandboxNotFoundError(NotFoundError):
     """No sandbox with that ID exists (it was never made, or it has been closed)."""
 
 
+class ShellLostError(NotFoundError):
+    """A shell session was lost because the node restarted (its process belonged to the old node's agent
+    connection); the sandbox itself lives on: open a new shell."""
+
+
 class ImageError(ShoalError):
     """An image could not be built, imported or used."""
 
@@ -95,6 +100,7 @@ ERROR_TYPES: dict[str, type[ShoalError]] = {
         NoScreenError,
         NotFoundError,
         SandboxNotFoundError,
+        ShellLostError,
         ImageError,
         ImageNotFoundError,
         SandboxClosedError,

@@ -13,7 +13,8 @@ before the link was made): same address and resolver, the policy re-resolved and
 serves requests. Connections open across the restart are cut. Between the crash and the restart the old
 rules keep holding (they are kernel state).
 
-Not carried over: shell sessions (their processes belong to the old node's agent connections) and warm
+Not carried over: shell sessions (their processes belong to the old node's agent connections; using one
+is a ShellLostError, told apart from a closed shell by the node-process mark in its ID) and warm
 pool members (they are cleaned up; the pools refill).
 """
 

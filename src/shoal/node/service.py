@@ -31,6 +31,7 @@ from shoal.errors import (
     SandboxClosedError,
     SandboxLostError,
     SandboxNotFoundError,
+    ShellLostError,
     ShoalError,
     UnsupportedKindError,
 )
@@ -65,6 +66,9 @@ from shoal.substrates import Substrate
 from shoal.substrates.container import ContainerSubstrate
 
 log = logging.getLogger("shoal.node")
+# this node process's mark in the shell IDs it makes: a shell ID with another mark was opened by an earlier
+# node process on this home, so it was lost in a restart (ShellLostError), not closed
+SHELL_EPOCH = secrets.token_hex(3)
 
 Emit = Callable[[Any], Awaitable[None]]
 MIN_MEMORY_MB = 8
@@ -954,7 +958,7 @@ class NodeService:
             cap_bytes=0,
             stdin_pipe=True,
         )
-        shell_id = f"{sandbox_id}/sh-{secrets.token_hex(4)}"
+        shell_id = f"{sandbox_id}/sh-{SHELL_EPOCH}-{secrets.token_hex(4)}"
         cap = sandbox.spec.output_cap_bytes or self.settings.output_cap_bytes
         self.shells[shell_id] = ShellSession(shell_id, sandbox_id, proc, cap)
         return shell_id
@@ -974,8 +978,13 @@ class NodeService:
         sandbox = self._get(sandbox_id)
 
         async def run() -> ExecResult:
+            if shell is None and not shell_id.startswith(f"{sandbox_id}/sh-{SHELL_EPOCH}-"):
+                raise ShellLostError(
+                    f"shell {shell_id} was lost: the node restarted since it was opened (a shell's process belongs "
+                    f"to the node that opened it; the sandbox {sandbox_id} lives on): open a new one, sandbox.shell()"
+                )
             if shell is None:
-                raise SandboxNotFoundError(f"no shell {shell_id} (closed, or the node restarted since it opened)")
+                raise SandboxNotFoundError(f"no shell {shell_id}: it was closed")
             return await shell.run(cmd, timeout, idle_timeout)
 
         args = {"shell_id": shell_id, "cmd": cmd, "timeout": timeout, "idle_timeout": idle_timeout}
