@@ -336,6 +336,50 @@ def test_bad_policies_are_clear_errors(nclient: shoal.Client) -> None:
         sb.set_network("1.2.3.4:0")
 
 
+PROBE6 = """
+import errno, socket, sys
+for host in sys.argv[1:]:
+    s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    s.settimeout(5)
+    try:
+        s.connect((host, 80))
+        print(host, "open")
+    except OSError as e:
+        print(host, errno.errorcode.get(e.errno, str(e.errno)))
+    finally:
+        s.close()
+"""
+
+
+def _host_ipv6() -> dict[str, str]:
+    """This host's IPv6 addresses by interface (from /proc/net/if_inet6), loopback left out."""
+    out = {}
+    for line in Path("/proc/net/if_inet6").read_text().splitlines():
+        hexaddr, *_, ifname = line.split()
+        if ifname != "lo":
+            out[":".join(hexaddr[i : i + 4] for i in range(0, 32, 4))] = ifname
+    return out
+
+
+def test_ipv6_is_off_in_sandboxes(nclient: shoal.Client, netnode: NodeProcess) -> None:
+    """Sandboxes speak IPv4 only (docs/SECURITY.md): their links get no IPv6 address, the host end neither,
+    so nothing over IPv6 leaves a sandbox; IPv6 rules are refused with a clear error."""
+    for rule in ("2001:db8::1", "tcp://[2001:db8::1]:443", "fd00::/8"):
+        with pytest.raises(shoal.InvalidRequestError, match="IPv6 destinations are not supported"):
+            nclient.create(image="busybox", pool=False, network=[rule])
+    if not Path("/proc/net/if_inet6").exists():
+        pytest.skip("this kernel has no IPv6 (ipv6.disable=1): there is nothing to turn off in sandboxes")
+    with nclient.create(image="debian", pool=False, network="0.0.0.0/0") as sb:
+        assert "eth0" not in sb.exec("cat /proc/net/if_inet6").stdout
+        ifname = json.loads((netnode.home / "sandboxes" / sb.id / "network.json").read_text())["ifname"]
+        assert ifname not in _host_ipv6().values()  # no link-local address on the host end either
+        targets = ["2001:db8::1", *(a for a, i in _host_ipv6().items() if not a.startswith("fe80"))]
+        got = dict(
+            line.split() for line in sb.exec(["python3", "-c", PROBE6, *targets], timeout=60).stdout.splitlines()
+        )
+        assert got == dict.fromkeys(targets, "ENETUNREACH"), got
+
+
 def test_no_plumbing_left_after_close(nclient: shoal.Client, netnode: NodeProcess) -> None:
     made = [nclient.create(image="busybox", pool=False, network="mirror") for _ in range(4)]
     made[0].set_network("none")

@@ -201,6 +201,31 @@ def _parse_rule(text: str) -> tuple[str, str | None, int | None]:
     return host, proto, port
 
 
+def _kernel_has_ipv6() -> bool:
+    """IPv6 is off in sandboxes: their links are made with `addrgenmode none` (no address, not even
+    link-local, so no route to anything over IPv6) where the kernel has IPv6 at all."""
+    return Path("/proc/net/if_inet6").exists()
+
+
+def _host_links_get_ipv6() -> bool:
+    """Would a new link on the host get an IPv6 link-local address (so the host end needs `addrgenmode none`)?"""
+    try:
+        return Path("/proc/sys/net/ipv6/conf/default/disable_ipv6").read_text().strip() == "0"
+    except OSError:
+        return False
+
+
+def _is_ipv6(text: str) -> bool:
+    host = text.strip()
+    if host.startswith("["):  # [2001:db8::1]:443
+        host = host[1:].partition("]")[0]
+    try:
+        ipaddress.IPv6Network(host, strict=False)
+    except ValueError:
+        return False
+    return True
+
+
 async def resolve(spec: NetworkSpec, config: NetworkConfig) -> Policy:
     """Turn a policy into rules, resolving presets and names now (the node's view of DNS, at set time)."""
     policy = Policy(source=spec if spec is not None else "none")
@@ -215,6 +240,11 @@ async def resolve(spec: NetworkSpec, config: NetworkConfig) -> Policy:
                 pending.extend(config.presets[text])
             continue
         host, proto, port = _parse_rule(text)
+        if _is_ipv6(host):
+            raise InvalidRequestError(
+                f"network rule {text!r}: IPv6 destinations are not supported; sandboxes speak IPv4 only (their "
+                "links have no IPv6 address or route, docs/SECURITY.md): name an IPv4 address or a host name"
+            )
         try:
             nets = [ipaddress.IPv4Network(host, strict=False)]
         except ValueError:
@@ -398,12 +428,17 @@ table inet {self.table} {{
         try:  # until its chain exists the forward hook drops everything from the new link (fail closed)
             await run(["ip", "-batch", "-"], stdin=(
                 f"link add {attachment.ifname} type veth peer name eth0 netns {pid}\n"
-                f"addr add {gateway}/30 dev {attachment.ifname}\n"
+                + (f"link set {attachment.ifname} addrgenmode none\n" if _host_links_get_ipv6() else "")
+                + f"addr add {gateway}/30 dev {attachment.ifname}\n"
                 f"link set {attachment.ifname} up\n"
             ).encode())  # fmt: skip
             await run(
                 ["nsenter", f"--net=/proc/{pid}/ns/net", "ip", "-batch", "-"],
-                stdin=(f"addr add {address}/30 dev eth0\nlink set eth0 up\nroute add default via {gateway}\n").encode(),
+                stdin=(
+                    ("link set eth0 addrgenmode none\n" if _kernel_has_ipv6() else "")
+                    + f"addr add {address}/30 dev eth0\nlink set eth0 up\n"
+                    f"route add default via {gateway}\n"
+                ).encode(),
             )
         except BaseException:
             await asyncio.shield(self._release(attachment))
