@@ -77,15 +77,14 @@ def server_context(cert: str | os.PathLike[str] | None = None, key: str | os.Pat
 
 
 def client_context(ca: str | os.PathLike[str] | None = None) -> ssl.SSLContext:
-    """The client side: verify the server against `ca` (default SHOAL_TLS_CA, else the system's CAs)."""
+    """The client side: verify the server against `ca` (default SHOAL_TLS_CA, else the system's CAs).
+    Make it once per client: loading the system's CAs costs tens of ms (bench/bench_tls.py)."""
     ca = ca or settings.TLS_CA.raw()
-    ctx = ssl.create_default_context()
+    try:
+        ctx = ssl.create_default_context(cafile=str(ca) if ca else None)  # a CA file: only it is trusted
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidRequestError(f"cannot load the TLS CA file {ca}: {exc}") from exc
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    if ca:
-        try:
-            ctx.load_verify_locations(cafile=str(ca))
-        except (OSError, ssl.SSLError) as exc:
-            raise InvalidRequestError(f"cannot load the TLS CA file {ca}: {exc}") from exc
     return ctx
 
 

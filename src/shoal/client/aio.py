@@ -99,6 +99,7 @@ class AsyncClient:
         self.project = project
         self.tls_ca = tls_ca
         self._tls = bool(address and address.startswith(tls.SCHEME_TLS))
+        self._ssl: Any = None
         self._endpoints = _endpoints(address) if address and address.startswith(("shoal://", "shoals://")) else []
         self._next = 0
         self._conn: Connection | None = None
@@ -159,7 +160,9 @@ class AsyncClient:
         raise NodeError(f"no shoal node or gateway answers at {self.address} ({'; '.join(failures)})")
 
     def _tls_context(self) -> Any:
-        return tls.client_context(self.tls_ca) if self._tls else None
+        if self._tls and self._ssl is None:
+            self._ssl = tls.client_context(self.tls_ca)  # once: reconnects reuse it (and its session cache)
+        return self._ssl
 
     async def __aenter__(self) -> AsyncClient:
         return await self.connect()
