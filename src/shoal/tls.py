@@ -107,7 +107,10 @@ def explain(exc: BaseException, address: str, ca: str | os.PathLike[str] | None)
 
 
 def _openssl(*args: str, cwd: Path) -> None:
-    proc = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    try:
+        proc = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        raise TLSError("making certificates needs the openssl command: apt-get install openssl") from None
     if proc.returncode != 0:
         raise TLSError(f"openssl {args[0]} failed: {proc.stderr.strip()[-500:]}")
 
