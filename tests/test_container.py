@@ -26,6 +26,14 @@ def test_exec_basics(sb: shoal.Sandbox) -> None:
     assert missing.exit_code == 127 and "No such file" in missing.stderr
 
 
+def test_stdin_to_a_command_that_exits_at_once(tiny: shoal.Sandbox) -> None:
+    # The node writes stdin after the command may already have exited; that must never cost the exit frame
+    # (it did ~1 in 5: the write hit a closed socket and the result said the handler was killed).
+    for data in [b"", b"x" * 100] * 25:
+        r = tiny.exec(["true"], stdin=data)
+        assert (r.exit_code, r.stderr) == (0, ""), r
+
+
 def test_create_options_are_honoured(client: shoal.Client) -> None:
     with client.create(
         "container", image="debian", env={"A": "1"}, workdir="/work/proj", labels={"run": "opts"}, pool=False

@@ -47,6 +47,7 @@
 #define STDIN_HIGH (1u << 20)     /* stop reading the client above this much pending stdin */
 #define DRAIN_IDLE_NS 20000000LL  /* after exit: finish once pipes are idle this long */
 #define DRAIN_MAX_NS 2000000000LL /* after exit: finish at the latest after this long */
+#define EXIT_LINGER_NS 2000000000LL /* after the exit frame: wait this long at most for the node to close */
 #define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 #define EXEC_STDIN_PIPE 1u
@@ -861,6 +862,26 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
     put_u64(x + 16, tails[1].dropped);
     send_frame('X', x, sizeof(x));
     flush_out();
+    /* Stay until the node closes (it does once it has read 'X'), reading and dropping what it sends: stdin
+       frames it wrote while the command was already exiting must reach a live socket, or its write fails
+       (EPIPE) and it loses the exit frame already sent.  Bounded, in case the node never closes. */
+    int64_t until = now_ns() + EXIT_LINGER_NS;
+    for (;;) {
+        int64_t left = until - now_ns();
+        if (left <= 0)
+            break;
+        struct pollfd p = {conn, POLLIN, 0};
+        int r = poll(&p, 1, (int)((left + 999999) / 1000000));
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        ssize_t n = recv(conn, buf, sizeof(buf), 0);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            break;
+    }
 }
 
 /* ------------------------------------------------------------------------ */
