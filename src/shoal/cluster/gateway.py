@@ -42,6 +42,7 @@ from shoal.errors import (
     SandboxNotFoundError,
     ShoalError,
     UnsupportedKindError,
+    to_wire,
 )
 from shoal.netguard import ConnectionGuard, serve_tcp
 from shoal.protocol import Request, Response, combine_status, merge_image_lists
@@ -268,12 +269,25 @@ class Gateway:
             response = Response(id=request.id, result=result)
         except (Exception, asyncio.CancelledError) as exc:  # every failure is this request's error response
             response = protocol.error_response(request, exc)
-        self._observe(request.op, time.monotonic() - started, response.error.type if response.error else None)
+        if request.op == "auth":  # every other request is observed by dispatch, whichever front called it
+            self._observe(request.op, time.monotonic() - started, response.error.type if response.error else None)
         send(response)
 
     async def dispatch(self, ident: Identity, name: str, args: dict[str, Any], on_event: Callable[[Any], None]) -> Any:
         """Serve one request for `ident` (a project, or the cluster acting for `_project` or for everyone),
-        routed as its entry in the operation table (shoal/ops.py) says."""
+        routed as its entry in the operation table (shoal/ops.py) says. The TCP front and the HTTP API both come
+        through here, so the request metrics count both."""
+        started = time.monotonic()
+        error: str | None = None
+        try:
+            return await self._dispatch(ident, name, args, on_event)
+        except (Exception, asyncio.CancelledError) as exc:
+            error = to_wire(exc)[0]
+            raise
+        finally:
+            self._observe(name, time.monotonic() - started, error)
+
+    async def _dispatch(self, ident: Identity, name: str, args: dict[str, Any], on_event: Callable[[Any], None]) -> Any:
         project = args.pop("_project", None) if ident.cluster else ident.project
         op = ops.get(name)
         if op.access == ops.CLUSTER and not ident.cluster:
