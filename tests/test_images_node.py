@@ -131,6 +131,43 @@ def test_dockerfile_subset(client: shoal.Client, tmp_path: Path) -> None:
         shoal.Image.from_dockerfile(bad)
 
 
+def test_dockerfile_as_the_ecosystem_writes_it(client: shoal.Client, tmp_path: Path) -> None:
+    """ARG before FROM, `ENV PATH $X:$PATH` over the base image's PATH, heredocs, SHELL, expanded WORKDIR."""
+    (tmp_path / "Dockerfile").write_text(
+        "ARG BASE=busybox\n"
+        "FROM ${BASE}\n"
+        "ENV TOOLS /opt/tools\n"
+        "ENV PATH $TOOLS/bin:$PATH\n"
+        "ENV LANG=${LANG:-C.UTF-8} PAGER=${PAGER:-less}\n"
+        "WORKDIR $TOOLS\n"
+        "RUN <<EOF\n"
+        "mkdir -p bin\n"
+        "printf '#!/bin/sh\\necho tool\\n' > bin/tool\n"
+        "chmod +x bin/tool\n"
+        "EOF\n"
+        "COPY <<EOF /etc/app.conf\n"
+        "key=$TOOLS\n"
+        "EOF\n"
+        'SHELL ["/bin/sh", "-e", "-c"]\n'
+        "RUN cat <<'END' > notes.txt; false; echo not reached > notes.txt\n"
+        "never\n"
+        "END\n",
+    )
+    with pytest.raises(shoal.ImageError, match="exited 1"):  # SHELL's -e stops at `false`
+        client.build_image(_unique("eco"), shoal.Image.from_dockerfile(tmp_path / "Dockerfile"))
+    text = (tmp_path / "Dockerfile").read_text().replace("; false; echo not reached > notes.txt", "")
+    (tmp_path / "Dockerfile").write_text(text.replace("never", "kept $HOME"))
+    name = _unique("eco")
+    client.build_image(name, shoal.Image.from_dockerfile(tmp_path / "Dockerfile"))
+    env = client.image_inspect(name)["config"]["env"]
+    assert env["PATH"].startswith("/opt/tools/bin:/") and env["PATH"].count(":") >= 2 and env["LANG"] == "C.UTF-8"
+    assert env["PAGER"] == "less"
+    with client.create("container", image=name, pool=False) as sb:
+        assert sb.exec("pwd; tool; cat /etc/app.conf notes.txt").stdout == (
+            "/opt/tools\ntool\nkey=$TOOLS\nkept $HOME\n"
+        )
+
+
 def test_a_failing_step_names_the_step_and_leaves_nothing(client: shoal.Client, node: NodeProcess) -> None:
     name = _unique("fails")
     with pytest.raises(shoal.ImageError, match=r"(?s)step 2 .*exited 3.*oops"):

@@ -110,6 +110,23 @@ def test_push_pull_round_trip_skips_what_is_there(reg: Registry, source: ImageSt
         registry.pull(target, "team/app:v1")
 
 
+def test_short_names_resolve_on_the_default_registry_like_docker(
+    reg: Registry, source: ImageStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python:3.11` is `library/python:3.11` and `user/repo` is `user/repo` on SHOAL_DEFAULT_REGISTRY
+    (pointed at the loopback server here); a `host:port/` reference keeps its own host."""
+    monkeypatch.setenv("SHOAL_DEFAULT_REGISTRY", reg.host)
+    pushed = registry.push(source, "app", f"{reg.host}/library/python:3.11")
+    target = ImageStore(tmp_path / "dst")
+    pulled = registry.pull(target, "python:3.11")
+    assert pulled["digest"] == pushed["digest"] and pulled["name"] == "python:3.11"
+    assert list(target.get("python:3.11").layer_ids) == [sha(t) for t in LAYERS]
+    registry.push(source, "app", "team/app")  # short names push to the default registry too
+    assert registry.pull(target, f"{reg.host}/team/app:latest", "full")["digest"] == pushed["digest"]
+    monkeypatch.setenv("SHOAL_DEFAULT_REGISTRY", "127.0.0.1:1")  # nothing listens: an explicit host is kept
+    assert registry.pull(target, f"{reg.host}/team/app", "explicit")["skipped"] == 3
+
+
 def test_index_platform_selection(reg: Registry, source: ImageStore, tmp_path: Path) -> None:
     pushed = registry.push(source, "app", f"{reg.host}/multi/app:amd")
     client = registry.RegistryClient(registry.Reference.parse(f"{reg.host}/multi/app:all"), push=True)

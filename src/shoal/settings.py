@@ -218,6 +218,12 @@ DEBIAN_SUITE: Setting[str] = _declare(
 INSECURE_REGISTRIES: Setting[str] = _declare(
     "SHOAL_INSECURE_REGISTRIES", str, "", IMAGES, "Comma-separated registry hosts spoken to over plain HTTP."
 )
+DEFAULT_REGISTRY: Setting[str] = _declare(
+    "SHOAL_DEFAULT_REGISTRY", str, None, IMAGES,
+    "Registry `host[:port]` that references without a host mean, as in Docker (`python:3.11` is "
+    "`library/python:3.11` there, `user/repo` is `user/repo` there).",
+    fallback="none: references must name their registry",
+)  # fmt: skip
 REGISTRY_AUTH: Setting[str] = _declare(
     "SHOAL_REGISTRY_AUTH", str, None, IMAGES, "Registry credentials `user:password`.", secret=True
 )

@@ -77,17 +77,19 @@ class ImageBuilder:
             return self._with({"op": "copy", "dest": dest, "tar": _retarget(path, dest)})
         return self.copy(path, dest)
 
-    def env(self, values: dict[str, str] | None = None, **more: str) -> ImageBuilder:
-        return self._with({"op": "env", "value": {**(values or {}), **more}})
+    def env(self, values: dict[str, str] | None = None, *, expand: bool = False, **more: str) -> ImageBuilder:
+        """Set environment variables. With `expand`, the node replaces `$NAME` references in the values
+        with the image's environment so far (what `ENV PATH $PATH:/x` needs: the base image's PATH)."""
+        return self._with({"op": "env", "value": {**(values or {}), **more}, **({"expand": True} if expand else {})})
 
     def label(self, values: dict[str, str] | None = None, **more: str) -> ImageBuilder:
         return self._with({"op": "label", "value": {**(values or {}), **more}})
 
-    def workdir(self, path: str) -> ImageBuilder:
-        return self._with({"op": "workdir", "value": path})
+    def workdir(self, path: str, *, expand: bool = False) -> ImageBuilder:
+        return self._with({"op": "workdir", "value": path, **({"expand": True} if expand else {})})
 
-    def user(self, user: str) -> ImageBuilder:
-        return self._with({"op": "user", "value": user})
+    def user(self, user: str, *, expand: bool = False) -> ImageBuilder:
+        return self._with({"op": "user", "value": user, **({"expand": True} if expand else {})})
 
     def cmd(self, command: str | list[str]) -> ImageBuilder:
         return self._with({"op": "cmd", "value": command})

@@ -46,7 +46,15 @@ class Reference:
     def parse(cls, text: str) -> Reference:
         first, _, rest = text.partition("/")
         if not rest or not ("." in first or ":" in first or first == "localhost"):
-            raise ImageError(f"reference {text!r} names no registry: write it as HOST[:PORT]/REPOSITORY[:TAG]")
+            # Docker's rule: a first part without a dot, a port or `localhost` is not a host, so the name
+            # lives on the default registry, and a one-part name in its `library/` namespace.
+            default = settings.DEFAULT_REGISTRY.get()
+            if not default:
+                raise ImageError(
+                    f"reference {text!r} names no registry: write it as HOST[:PORT]/REPOSITORY[:TAG], "
+                    "or set SHOAL_DEFAULT_REGISTRY to the registry that short names mean"
+                )
+            first, rest = default.rstrip("/"), (text if rest else f"library/{text}")
         digest = None
         if "@" in rest:
             rest, _, digest = rest.partition("@")

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from shoal import shellvars
 from shoal.errors import ImageError, InvalidRequestError, UnsupportedKindError
 from shoal.images import Image, ImageConfig, ImageStore, erofs, layout, registry
 from shoal.images.erofs import LayerMounts, unmount_stale
@@ -363,6 +364,11 @@ def _key(parent: str, step: dict[str, Any]) -> str:
 
 def _apply_config(config: ImageConfig, step: dict[str, Any]) -> ImageConfig:
     op, value = step["op"], step.get("value")
+    if step.get("expand"):  # references the SDK could not resolve: the image's environment so far
+        if op == "env":
+            value = {k: shellvars.expand(str(v), config.env) for k, v in dict(value).items()}
+        elif op in ("workdir", "user"):
+            value = shellvars.expand(str(value), config.env)
     if op == "env":
         return dataclasses.replace(config, env={**config.env, **dict(value)})
     if op == "label":
