@@ -23,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,cluster]'
 	$(PY) -m pip install -q --no-deps 'verl==0.9.1'  # its interface modules only (docs/RL.md); deps in [dev]
+	$(PY) -m pip install -q --no-deps 'swebench==4.1.0'  # its Dockerfile templates only (tests/test_dockerfile.py)
 	touch $@
 
 venv: $(VENV)/.installed

@@ -6,9 +6,13 @@ is pure parsing; pulling through it is in test_registry.py.
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import platform
+import runpy
+import string
 import tarfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -49,6 +53,7 @@ def test_swebench_style_header_args_env_and_platform(tmp_path: Path) -> None:
         "ENV TZ=Etc/UTC LANG=${LANG:-C.UTF-8}\n"
         "ENV NVM_DIR /usr/local/nvm\n"
         "ENV PATH $NVM_DIR/bin:$PATH\n"
+        "ENV PATH=/opt/x:$PATH X=$NVM_DIR\n"
         "WORKDIR $NVM_DIR/work\n"
         "USER ${RUNNER:-1000}\n"
         "USER ${NOBODY:-1000}\n"
@@ -56,12 +61,14 @@ def test_swebench_style_header_args_env_and_platform(tmp_path: Path) -> None:
         "RUN echo $DEBIAN_FRONTEND $TZ\n",
     )
     assert image.base == "ubuntu:22.04"
-    env, more, path, workdir, user, nobody, home, run = image.steps
+    env, more, path, again, workdir, user, nobody, home, run = image.steps
     # LANG may be the base image's: its default is chosen by the node, which knows the image's environment
     assert env == {"op": "env", "value": {"TZ": "Etc/UTC", "LANG": "${LANG:-C.UTF-8}"}, "expand": True}
     assert more["value"] == {"NVM_DIR": "/usr/local/nvm"}
     # $PATH is the base image's: the node finishes the expansion against the image's environment
     assert path == {"op": "env", "value": {"PATH": "/usr/local/nvm/bin:$PATH"}, "expand": True}
+    # the node's PATH (already finished) is used, not this file's unfinished text: no doubled prefix
+    assert again == {"op": "env", "value": {"PATH": "/opt/x:$PATH", "X": "/usr/local/nvm"}, "expand": True}
     assert workdir == {"op": "workdir", "value": "/usr/local/nvm/work"}
     assert user == {"op": "user", "value": "1000"}  # RUNNER is an (empty) ARG: the file knows it
     assert nobody == {"op": "user", "value": "${NOBODY:-1000}", "expand": True}
@@ -132,3 +139,33 @@ def test_references_normalise_like_docker(monkeypatch: pytest.MonkeyPatch) -> No
     assert str(Reference.parse("10.0.0.1:5000/a/b")) == "10.0.0.1:5000/a/b:latest"
     with pytest.raises(ImageError, match="not a valid repository name"):
         Reference.parse("Python:3.11")
+
+
+class _Sample(string.Formatter):
+    """Fills a SWE-bench template's fields ({platform}, {python_version}, ...) with plausible values."""
+
+    def get_value(self, key, args, kwargs):  # type: ignore[no-untyped-def]
+        return {"platform": "linux/x86_64", "conda_arch": "x86_64", "ubuntu_version": "22.04"}.get(key, "9.9")
+
+
+def test_every_swebench_dockerfile_template_parses_and_plans(tmp_path: Path) -> None:
+    """The pinned `swebench` package's templates (Makefile installs it without its dependencies: only these
+    files are used, read without importing swebench). Their bases cannot be fetched here: parse and plan only."""
+    folder = Path(str(importlib.metadata.distribution("swebench").locate_file("swebench/harness/dockerfiles")))
+    (tmp_path / "setup_env.sh").write_text("true\n")
+    (tmp_path / "setup_repo.sh").write_text("true\n")
+    planned = {}
+    for module in sorted(p for p in folder.glob("*.py") if p.name != "__init__.py"):  # it imports swebench
+        for name, template in runpy.run_path(str(module)).items():
+            if name.startswith("_DOCKERFILE") and isinstance(template, str):
+                (tmp_path / "Dockerfile").write_text(_Sample().format(template))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # --platform=linux/x86_64 on another host architecture
+                    planned[name] = shoal.Image.from_dockerfile(tmp_path / "Dockerfile")
+    assert len(planned) >= 15 and planned["_DOCKERFILE_BASE_PY"].base == "ubuntu:22.04"
+    env_js = [s for s in planned["_DOCKERFILE_ENV_JS"].steps if s["op"] == "env"]
+    # NVM_DIR comes from the base image: the node resolves it and the base's PATH
+    assert {"op": "env", "value": {"PATH": "$NVM_DIR/versions/node/v9.9/bin:$PATH"}, "expand": True} in env_js
+    for name, image in planned.items():
+        assert image.steps, name
+        assert {s["op"] for s in image.steps} <= {"run", "copy", "env", "workdir", "user", "cmd", "label"}, name

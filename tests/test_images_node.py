@@ -138,6 +138,7 @@ def test_dockerfile_as_the_ecosystem_writes_it(client: shoal.Client, tmp_path: P
         "FROM ${BASE}\n"
         "ENV TOOLS /opt/tools\n"
         "ENV PATH $TOOLS/bin:$PATH\n"
+        "ENV PATH=/opt/more:$PATH\n"
         "ENV LANG=${LANG:-C.UTF-8} PAGER=${PAGER:-less}\n"
         "WORKDIR $TOOLS\n"
         "RUN <<EOF\n"
@@ -160,7 +161,11 @@ def test_dockerfile_as_the_ecosystem_writes_it(client: shoal.Client, tmp_path: P
     name = _unique("eco")
     client.build_image(name, shoal.Image.from_dockerfile(tmp_path / "Dockerfile"))
     env = client.image_inspect(name)["config"]["env"]
-    assert env["PATH"].startswith("/opt/tools/bin:/") and env["PATH"].count(":") >= 2 and env["LANG"] == "C.UTF-8"
+    assert (
+        env["PATH"].startswith("/opt/more:/opt/tools/bin:/")
+        and env["PATH"].count("/opt/tools") == 1
+        and env["LANG"] == "C.UTF-8"
+    )
     assert env["PAGER"] == "less"
     with client.create("container", image=name, pool=False) as sb:
         assert sb.exec("pwd; tool; cat /etc/app.conf notes.txt").stdout == (

@@ -115,11 +115,12 @@ def parse(text: str, context: Path, from_: Callable[[str], Any]) -> Any:
     builder: Any = None
     args: dict[str, str] = {}
     env: dict[str, str] = {}
+    deferred: set[str] = set()  # ENV names whose value only the node knows (it refers to the base image's env)
     shell: list[str] | None = None
     for number, line, docs in _lines(text):
         keyword, _, value = line.partition(" ")
         keyword, value = keyword.upper(), value.strip()
-        known = {**args, **env}
+        known = {k: v for k, v in {**args, **env}.items() if k not in deferred}
         if keyword == "ARG":
             for word in shlex.split(value):
                 name, eq, default = word.partition("=")
@@ -145,7 +146,8 @@ def parse(text: str, context: Path, from_: Callable[[str], Any]) -> Any:
         if builder is None:
             raise InvalidRequestError(f"line {number}: {keyword} before FROM")
         if keyword == "RUN":
-            command: str | list[str] = _json_or_shell(shellvars.expand(value, args, keep_unknown=True))
+            run_args = {k: v for k, v in args.items() if k not in env and k not in deferred}  # ENV wins
+            command: str | list[str] = _json_or_shell(shellvars.expand(value, run_args, keep_unknown=True))
             if docs and isinstance(command, str):
                 if _HEREDOC.fullmatch(command.strip()):  # `RUN <<EOF`: the body is the script
                     command = docs[0][1]
@@ -158,7 +160,13 @@ def parse(text: str, context: Path, from_: Callable[[str], Any]) -> Any:
             builder = _copy(builder, keyword, shellvars.expand(value, known), docs, number, context)
         elif keyword == "ENV":
             pairs, unresolved = _pairs(value, number, keyword, known)
-            env.update(pairs)
+            for key, item in pairs.items():  # a later `$KEY` must see the node's value, not this text
+                if shellvars.references(item):
+                    deferred.add(key)
+                    env.pop(key, None)
+                else:
+                    deferred.discard(key)
+                    env[key] = item
             builder = builder.env(pairs, expand=unresolved)
         elif keyword == "LABEL":
             builder = builder.label(_pairs(value, number, keyword, known)[0])
