@@ -28,6 +28,7 @@ from shoal.config import NodeSettings, Paths, settings_env
 from shoal.errors import (
     CapacityError,
     InvalidRequestError,
+    NodeError,
     SandboxClosedError,
     SandboxLostError,
     SandboxNotFoundError,
@@ -101,7 +102,9 @@ class NodeService:
         self.pools = WarmPools(self.make_sandbox, self.destroy_sandbox)
         self.network = network.NetworkManager(paths.home)
         self.started_at = time.time()
-        self._creating = 0
+        self._creating = 0  # sandboxes being made (capacity counts them)
+        self._binding = 0  # creates between their making and their registration (shutdown waits for them)
+        self._stopping = False
         self._destroying: set[asyncio.Future] = set()
         self._reaper: asyncio.Task | None = None
         self.logs = TrajectoryQueries(self.trajectory, self.sandboxes, settings.node_id, self.functions.owns)
@@ -132,6 +135,7 @@ class NodeService:
 
     async def stop(self) -> None:
         """Close every sandbox this node owns (a clean shutdown leaves nothing behind)."""
+        self._stopping = True  # connections outlive the listener: refuse creates that arrive from now on
         if self._reaper:
             self._reaper.cancel()
         await self.functions.stop()
@@ -197,7 +201,7 @@ class NodeService:
         """Wait for creates and destroys in flight (a destroy outlives its cancelled request), so the
         process does not exit halfway through one and leave its mounts, cgroups or files behind."""
         deadline = time.monotonic() + timeout
-        while (self._creating or self._destroying) and time.monotonic() < deadline:
+        while (self._creating or self._binding or self._destroying) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     async def reconcile(self) -> list[str]:
@@ -297,6 +301,15 @@ class NodeService:
         return await self._create(spec)
 
     async def _create(self, spec: SandboxSpec) -> SandboxInfo:
+        if self._stopping:
+            raise NodeError(f"node {self.settings.node_id} is shutting down; create the sandbox on another node")
+        self._binding += 1
+        try:
+            return await self._create_bound(spec)
+        finally:
+            self._binding -= 1
+
+    async def _create_bound(self, spec: SandboxSpec) -> SandboxInfo:
         now = time.time()
         sandbox = self.pools.take(spec) if spec.pool and not spec.snapshot else None
         if sandbox is None:
@@ -422,26 +435,57 @@ class NodeService:
         if image is None:
             image = await self.node_images.resolve(spec.image, spec.layers)
         sandbox_id = f"{self.settings.node_id}-{secrets.token_hex(6)}"
+        # The making runs as its own task, counted in `_creating` until it has truly finished, cleanup included.
+        # Cancelled, it is cancelled exactly once: a second cancel (the request's connection going away after
+        # its cancel request, the node shutting down) would break the substrate's shielded cleanup loose, and
+        # shutdown's settle would stop waiting while that cleanup still ran (issue 19, the cancel storm).
         self._creating += 1
-        try:
-            image = await self.node_images.acquire(image)
-            try:
-                instance = await substrate.create(sandbox_id, spec, image, snapshot=spec.snapshot)
-                agent = AgentClient(str(instance.agent_socket))
-                screen = None
-                try:
-                    await asyncio.wait_for(agent.hello(), 10)
-                    if (size := gui.screen_of(spec.image, spec.screen)) is not None:
-                        screen = await gui.Screen.start(agent, *size)
-                except BaseException:
-                    await asyncio.shield(substrate.destroy(instance))
-                    raise
-            except BaseException:
-                await asyncio.shield(self.node_images.release(image.layer_ids))
-                raise
-        finally:
+        task = asyncio.ensure_future(self._make_instance(sandbox_id, substrate, spec, image))
+        abandoned = False
+
+        def made(task: asyncio.Future) -> None:  # uncount it once it truly ended; destroy it if nobody took it
             self._creating -= 1
+            if abandoned:
+                self._destroy_made(spec, task)
+
+        task.add_done_callback(made)
+        try:
+            instance, image, agent, screen = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():  # it ended in the instant its requester gave up (its callback may have run)
+                self._destroy_made(spec, task)
+            else:
+                abandoned = True
+                task.cancel()
+            raise
         return Sandbox(id=sandbox_id, spec=spec, image=image, instance=instance, agent=agent, screen=screen)
+
+    async def _make_instance(
+        self, sandbox_id: str, substrate: Substrate, spec: SandboxSpec, image: Image
+    ) -> tuple[Any, Image, AgentClient, Any]:
+        image = await self.node_images.acquire(image)
+        try:
+            instance = await substrate.create(sandbox_id, spec, image, snapshot=spec.snapshot)
+            agent = AgentClient(str(instance.agent_socket))
+            screen = None
+            try:
+                await asyncio.wait_for(agent.hello(), 10)
+                if (size := gui.screen_of(spec.image, spec.screen)) is not None:
+                    screen = await gui.Screen.start(agent, *size)
+            except BaseException:
+                await asyncio.shield(substrate.destroy(instance))
+                raise
+        except BaseException:
+            await asyncio.shield(self.node_images.release(image.layer_ids))
+            raise
+        return instance, image, agent, screen
+
+    def _destroy_made(self, spec: SandboxSpec, task: asyncio.Future) -> None:
+        """Destroy what an abandoned making task made (if it made anything)."""
+        if not task.cancelled() and task.exception() is None:
+            instance, image, agent, screen = task.result()
+            orphan = Sandbox(id=instance.id, spec=spec, image=image, instance=instance, agent=agent, screen=screen)
+            self._start_destroy(orphan)
 
     async def image_named(self, name: str) -> Image:
         """Image `name` from the store (built first if it is a builtin); its layers are not mounted."""
@@ -501,11 +545,16 @@ class NodeService:
                 return int(fields[2]), int(group) if group.isdigit() else int(fields[3])
         raise InvalidRequestError(f"user {name!r} does not exist in image {sandbox.spec.image!r}")
 
-    async def destroy_sandbox(self, sandbox: Sandbox) -> None:
+    def destroy_sandbox(self, sandbox: Sandbox) -> Awaitable[None]:
+        """Destroy `sandbox`; registered at once (not when first awaited), and a cancelled caller leaves it running."""
+        return asyncio.shield(self._start_destroy(sandbox))
+
+    def _start_destroy(self, sandbox: Sandbox) -> asyncio.Future:
+        """Start destroying `sandbox` in a task the node's settle waits for (it outlives a cancelled caller)."""
         task = asyncio.ensure_future(self._destroy_now(sandbox))
         self._destroying.add(task)
         task.add_done_callback(self._destroying.discard)
-        await asyncio.shield(task)
+        return task
 
     async def _destroy_now(self, sandbox: Sandbox) -> None:
         try:
