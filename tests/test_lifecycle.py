@@ -156,3 +156,51 @@ def test_a_step_whose_client_died_keeps_the_sandbox_busy(client: shoal.Client, n
         raise AssertionError("the idle sandbox was not reaped")
     steps = client.log(sb.id)["steps"]
     assert steps[0]["result"]["stdout"] == b"" and steps[0]["error"] is None  # it ran to the end, logged
+
+
+def _wait_closed(client: shoal.Client, sandbox_id: str, timeout: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            client.get(sandbox_id)
+        except shoal.SandboxClosedError as exc:
+            return str(exc)
+        time.sleep(0.1)
+    raise AssertionError(f"{sandbox_id} was not reaped within {timeout} s")
+
+
+def test_default_lifetimes_reap_abandoned_sandboxes(tmp_path) -> None:  # noqa: ANN001
+    """A create that names no lifetime gets the node's defaults (lowered here through their settings); an
+    explicit None lives until closed; `shoal ls` shows owner and what ends each sandbox when."""
+    from conftest import no_leftovers
+
+    node = NodeProcess(
+        tmp_path / "home", f"shoal-test-deflife-{os.getpid()}", SHOAL_DEFAULT_TTL_S="4", SHOAL_DEFAULT_IDLE_S="1.5"
+    ).start()
+    try:
+        with node.client() as client:
+            abandoned = client.create(image="busybox", pool=False)
+            assert abandoned.info.idle_timeout_s == 1.5 and abandoned.info.expires_at is not None
+            busy = client.create(image="busybox", trajectory=f"deflife-{os.getpid()}")  # pool and trajectory paths
+            forever = client.create(image="busybox", pool=False, ttl_s=None, idle_timeout_s=None)
+            assert forever.info.expires_at is None and forever.info.idle_timeout_s is None
+            listing = subprocess.run(
+                [sys.executable, "-m", "shoal.cli", "--home", str(node.home), "ls"],
+                capture_output=True, text=True, check=True, timeout=60,
+            ).stdout  # fmt: skip
+            rows = {line.split("\t")[0]: line.split("\t") for line in listing.splitlines()[1:]}
+            assert rows[forever.id][4] == forever.info.owner and rows[forever.id][5] == "never"
+            assert rows[abandoned.id][5].startswith("idle ")
+            assert "idle" in _wait_closed(client, abandoned.id)
+            while True:  # never idle (a request every 0.3 s), yet its default TTL ends it
+                try:
+                    assert busy.exec("echo hi").stdout == "hi\n"
+                except shoal.SandboxClosedError as exc:
+                    assert "ttl" in str(exc)
+                    break
+                time.sleep(0.3)
+            assert forever.exec("echo still").stdout == "still\n"
+            forever.close()
+    finally:
+        node.stop()
+    assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)

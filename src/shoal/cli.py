@@ -7,10 +7,12 @@ import base64
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import shoal
 from shoal.config import Paths
+from shoal.protocol import SandboxInfo
 
 
 def _client(args: argparse.Namespace) -> shoal.Client:
@@ -65,10 +67,28 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     with _client(args) as client:
+        now = time.time()
+        print("ID\tKIND\tIMAGE\tSTATE\tOWNER\tENDS IN\tLABELS")
         for info in client.list():
             labels = ",".join(f"{k}={v}" for k, v in info.labels.items())
-            print(f"{info.id}\t{info.kind}\t{info.image}\t{info.state}\t{labels}")
+            owner = info.owner or "-"
+            print(f"{info.id}\t{info.kind}\t{info.image}\t{info.state}\t{owner}\t{_ends_in(info, now)}\t{labels}")
     return 0
+
+
+def _ends_in(info: SandboxInfo, now: float) -> str:
+    """What ends the sandbox first and when: `ttl 23h59m`, `idle 29m` (if nothing runs), or `never`."""
+    from shoal.doctor import duration
+
+    ends = []
+    if info.expires_at is not None:
+        ends.append((info.expires_at - now, "ttl"))
+    if info.idle_timeout_s and info.state == "ready":
+        ends.append((info.last_active_at + info.idle_timeout_s - now, "idle"))
+    if not ends:
+        return "never"
+    left, why = min(ends)
+    return f"{why} {duration(max(0.0, left))}"
 
 
 def cmd_rm(args: argparse.Namespace) -> int:

@@ -50,6 +50,10 @@ def node_tag(home: Path) -> str:
     return "sh" + hashlib.sha1(str(home.resolve()).encode()).hexdigest()[:4]
 
 
+DEFAULT_TTL_S = 24 * 3600.0
+DEFAULT_IDLE_S = 30 * 60.0
+
+
 @dataclass(frozen=True)
 class NodeSettings:
     """Tunables of one node; every one can be set from the environment."""
@@ -68,6 +72,10 @@ class NodeSettings:
     # caps for container sandboxes that name none (0: no cap); see docs/SECURITY.md "Default caps"
     default_memory_mb: int = 0
     default_disk_mb: int = 0
+    # lifetimes of sandboxes whose create leaves ttl_s / idle_timeout_s unset (None: unlimited), so that a
+    # script that dies before close() does not leak its sandboxes forever
+    default_ttl_s: float | None = DEFAULT_TTL_S
+    default_idle_timeout_s: float | None = DEFAULT_IDLE_S
 
     @classmethod
     def from_env(cls, home: Path | None = None) -> NodeSettings:
@@ -87,6 +95,8 @@ class NodeSettings:
             sandboxes_cpu_weight=settings.SANDBOXES_CPU_WEIGHT.get(),
             default_memory_mb=default_memory_mb() if memory_mb is None else memory_mb,
             default_disk_mb=settings.DEFAULT_DISK_MB.get() or 0,
+            default_ttl_s=settings.DEFAULT_TTL_S.get() or None,
+            default_idle_timeout_s=settings.DEFAULT_IDLE_S.get() or None,
         )
 
 

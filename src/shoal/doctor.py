@@ -65,7 +65,35 @@ def run_checks() -> list[Check]:
     ok, detail = _vm_accel()
     checks.append(Check("vm accel", ok, detail, "snapshots/templates still make creates fast; for KVM use a "
                         "host with VMX/SVM (nested virtualization enabled), or set SHOAL_VM_ACCEL=tcg"))  # fmt: skip
-    return checks + isolation_checks()
+    return checks + [_defaults_check()] + isolation_checks()
+
+
+def _defaults_check() -> Check:
+    """The node's defaults for sandboxes that name no lifetime (what an abandoned sandbox costs, at most)."""
+    from shoal.config import NodeSettings
+
+    try:
+        settings = NodeSettings.from_env()
+    except ValueError as exc:
+        return Check("sandbox defaults", False, str(exc), "fix the SHOAL_DEFAULT_* setting")
+    ttl, idle = settings.default_ttl_s, settings.default_idle_timeout_s
+    detail = (
+        f"ttl {duration(ttl)} (SHOAL_DEFAULT_TTL_S), idle timeout {duration(idle)} (SHOAL_DEFAULT_IDLE_S); "
+        "create(ttl_s=None, idle_timeout_s=None) lives until closed"
+    )
+    return Check("sandbox defaults", True, detail)
+
+
+def duration(seconds: float | None) -> str:
+    """`1d2h`, `30m`, `45s`, or `unlimited`."""
+    if seconds is None:
+        return "unlimited"
+    left, parts = int(seconds), []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if left >= size or (unit == "s" and not parts):
+            parts.append(f"{left // size}{unit}")
+            left %= size
+    return "".join(parts[:2])
 
 
 def report() -> tuple[str, bool]:

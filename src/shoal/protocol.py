@@ -36,7 +36,9 @@ class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     cpu: float | None = None
     memory_mb: int | None = None
     pids: int | None = 1024
-    ttl_s: float | None = None
+    # ttl_s / idle_timeout_s left unset take the node's defaults (SHOAL_DEFAULT_TTL_S, SHOAL_DEFAULT_IDLE_S);
+    # None, sent explicitly, means no limit. UNSET is never sent, so the node tells the two apart.
+    ttl_s: float | None | msgspec.UnsetType = msgspec.UNSET
     env: dict[str, str] = {}  # late-bound
     workdir: str | None = None  # late-bound
     labels: dict[str, str] = {}  # late-bound
@@ -48,7 +50,7 @@ class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     network: str | list[str] | dict[str, bool] = "none"  # late-bound: "none", a preset, rules, {"pypi": True}
     disk_mb: int | None = None  # cap on what the sandbox may write (its overlay upper)
     preimport: list[str] = []  # function kind: modules its warm workers import before forking calls
-    idle_timeout_s: float | None = None  # late-bound: no request for this long ends (or pauses) it
+    idle_timeout_s: float | None | msgspec.UnsetType = msgspec.UNSET  # late-bound: idle this long ends (pauses) it
     on_timeout: str = "kill"  # late-bound: "kill" | "pause", when ttl_s or idle_timeout_s runs out
     trajectory: str | None = None  # late-bound: a name; create() with a live trajectory's name attaches
     record: bool = True  # late-bound: log every step (durably, before its result returns)

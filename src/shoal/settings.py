@@ -140,6 +140,14 @@ DEFAULT_MEMORY_MB: Setting[int] = _declare(
     "Memory cap (MB) of containers that name no `memory_mb`; 0: no cap.",
     fallback="4096, or half the host's memory if less",
 )  # fmt: skip
+DEFAULT_TTL_S: Setting[float] = _declare(
+    "SHOAL_DEFAULT_TTL_S", float, 24 * 3600.0, NODE,
+    "TTL (s) of sandboxes whose create leaves `ttl_s` unset (abandoned ones end); 0: none. `ttl_s=None` opts out.",
+)  # fmt: skip
+DEFAULT_IDLE_S: Setting[float] = _declare(
+    "SHOAL_DEFAULT_IDLE_S", float, 30 * 60.0, NODE,
+    "Idle timeout (s) of sandboxes whose create leaves `idle_timeout_s` unset; 0: none. An explicit None opts out.",
+)  # fmt: skip
 LOG_LEVEL: Setting[str] = _declare("SHOAL_LOG_LEVEL", str, "INFO", NODE, "Log level of nodes and gateways.")
 
 # ---------------------------------------------------------------- sandbox kinds

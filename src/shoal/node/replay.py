@@ -50,7 +50,9 @@ async def replay(service: ReplayHost, sandbox_id: str, image: str | None, keep: 
     if record is None:
         raise SandboxNotFoundError(f"sandbox {sandbox_id} has no trajectory record to replay")
     spec = convert(record["spec"], SandboxSpec)
-    spec = msgspec.structs.replace(spec, image=image or spec.image, trajectory=None, ttl_s=None, idle_timeout_s=None)
+    # the replay's sandbox gets the node's default lifetimes (it may be kept), not the original's
+    unset = msgspec.UNSET
+    spec = msgspec.structs.replace(spec, image=image or spec.image, trajectory=None, ttl_s=unset, idle_timeout_s=unset)
     steps = list(service.trajectory.steps(sandbox_id))
     info = await service.create(spec)
     shells: dict[str, str] = {}

@@ -79,6 +79,6 @@ class Sandbox:
             trajectory=self.spec.trajectory,
             steps=self.next_seq,
             last_active_at=self.last_active,
-            idle_timeout_s=self.spec.idle_timeout_s,
+            idle_timeout_s=self.spec.idle_timeout_s or None,  # internal sandboxes (builds) leave it UNSET
             on_timeout=self.spec.on_timeout,
         )

@@ -271,6 +271,7 @@ class NodeService:
         return sorted([*self.substrates, "function"])
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        spec = self._with_default_lifetime(spec)
         self._validate(spec)
         spec = self._with_default_caps(spec)
         if spec.kind == "function":
@@ -372,6 +373,15 @@ class NodeService:
             changes["memory_mb"] = memory_mb
         if spec.disk_mb is None and self.settings.default_disk_mb > 0:
             changes["disk_mb"] = self.settings.default_disk_mb
+        return msgspec.structs.replace(spec, **changes) if changes else spec
+
+    def _with_default_lifetime(self, spec: SandboxSpec) -> SandboxSpec:
+        """A create that leaves ttl_s / idle_timeout_s unset gets the node's defaults (explicit None: no limit)."""
+        changes: dict[str, Any] = {}
+        if spec.ttl_s is msgspec.UNSET:
+            changes["ttl_s"] = self.settings.default_ttl_s
+        if spec.idle_timeout_s is msgspec.UNSET:
+            changes["idle_timeout_s"] = self.settings.default_idle_timeout_s
         return msgspec.structs.replace(spec, **changes) if changes else spec
 
     def _validate(self, spec: SandboxSpec) -> None:
