@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -54,7 +55,15 @@ class OciRuntime:
             argv = [*self._base(), "run", "-d", "--pid-file", pid_file]
             argv += ["--preserve-fds", "1"] if listen_fd is not None else []
             argv += ["--bundle", str(bundle), container_id]
-        status = await spawn.run(argv, log_path=str(log), pass_fd=listen_fd)
+        # Not killed halfway when the create is cancelled: a runtime killed inside `run -d` can leave a
+        # container it no longer knows (started, but its state half written), which `delete` then misses.
+        # It finishes (within spawn's timeout) and the caller's cleanup deletes the container it made.
+        started = asyncio.ensure_future(spawn.run(argv, log_path=str(log), pass_fd=listen_fd))
+        try:
+            status = await asyncio.shield(started)
+        except asyncio.CancelledError:
+            await asyncio.wait({started})
+            raise
         if status != 0:
             detail = log.read_text(errors="replace")[-2000:].strip() if log.exists() else ""
             raise SandboxLostError(f"{self.name} could not start the sandbox (exit {status}): {detail}")

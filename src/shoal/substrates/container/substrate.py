@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import logging
 import os
 import shutil
 import socket
@@ -28,6 +29,8 @@ from shoal.substrates.base import Capabilities, Instance, Substrate
 from shoal.substrates.container import disk, userns
 from shoal.substrates.container.oci import bundle_config
 from shoal.substrates.container.runtime import OciRuntime
+
+log = logging.getLogger("shoal.node")
 
 
 class ContainerSubstrate(Substrate):
@@ -104,7 +107,10 @@ class ContainerSubstrate(Substrate):
             else:
                 await _wait_for_socket(instance.agent_socket, directory / "runtime.log")
         except BaseException:
-            await asyncio.shield(self.destroy(instance))
+            try:
+                await asyncio.shield(self.destroy(instance))
+            except Exception as exc:  # say why the cleanup failed; the create's own error is what it raises
+                log.warning("could not clean up after the failed create of %s: %r", sandbox_id, exc)
             raise
         finally:
             if listener is not None:
