@@ -144,6 +144,11 @@ _op("kill", SANDBOX, {"sandbox_id": str, "reason": (str, "closed by the client")
 _op("close_all", FANOUT, LABELS, int, "Close every sandbox (with these labels); how many.", merge=SUM, scoped=True)
 _op("keepalive", SANDBOX, {"sandbox_id": str, "ttl_s": (float | None, None)}, SandboxInfo,
     "Push the TTL deadline out by ttl_s from now.", retry=True)
+_op("processes", SANDBOX, {"sandbox_id": str}, list[JSON],
+    "Processes in a sandbox but its agent's, each with the exec that started it (exec_id).", retry=True)
+_op("kill_processes", SANDBOX, {"sandbox_id": str, "exec_id": (int | None, None)}, dict[str, int],
+    "SIGKILL what one exec left running (exec_id), or every process but the agent's; works at the pids limit.",
+    retry=True)
 _op("pause", SANDBOX, {"sandbox_id": str}, JSON, "Freeze a sandbox and reclaim its memory.")
 _op("resume", SANDBOX, {"sandbox_id": str}, SandboxInfo, "Resume a paused sandbox.")
 _op("pause_all", FANOUT, LABELS, list[JSON], "Pause every running sandbox (with these labels).",

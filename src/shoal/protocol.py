@@ -109,6 +109,7 @@ class ExecResult(msgspec.Struct, kw_only=True):
     oom_killed: bool = False
     stdout_omitted: int = 0  # bytes cut between the kept head and tail (where `cut_marker` stands)
     stderr_omitted: int = 0
+    exec_id: int | None = None  # names this exec's leftover processes in processes() / kill_processes()
 
 
 class HeadTail:

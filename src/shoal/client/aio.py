@@ -715,6 +715,18 @@ class AsyncSandbox:
             await self.client.call("keepalive", {"sandbox_id": self.id, "ttl_s": ttl_s}), SandboxInfo
         )
 
+    async def processes(self) -> list[dict[str, Any]]:
+        """Processes running in the sandbox other than its agent's, each a dict: pid, ppid, state, command,
+        exec_id (the exec that started it, as in `ExecResult.exec_id`; None once that is unknown) and
+        exec_command. Forking, double-forking and setsid do not take a process away from its exec."""
+        return await self.client.call("processes", {"sandbox_id": self.id})
+
+    async def kill_processes(self, exec_id: int | None = None) -> dict[str, int]:
+        """SIGKILL the processes one exec left running (`exec_id`), or every process but the agent's (None):
+        e.g. a `nohup server &` no longer wanted, or a fork bomb. Works at the sandbox's pids limit.
+        Returns {"killed": n, "left": n} (left is 0 unless something outran a thousand rounds of kills)."""
+        return await self.client.call("kill_processes", {"sandbox_id": self.id, "exec_id": exec_id})
+
     async def pause(self) -> dict[str, Any]:
         """Pause: a container is frozen and its memory reclaimed; a VM is saved to disk and its QEMU stopped.
         Files, processes and shells survive; any request resumes it."""

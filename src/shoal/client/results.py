@@ -35,6 +35,7 @@ class ExecResult:
     oom_killed: bool = False
     stdout_omitted: int = 0  # bytes of stdout cut between the kept head and tail, where a marker line stands
     stderr_omitted: int = 0
+    exec_id: int | None = None  # this exec's processes that outlive it: sb.processes(), sb.kill_processes(exec_id)
 
     @classmethod
     def from_wire(cls, raw: dict | WireExecResult) -> ExecResult:
@@ -51,6 +52,7 @@ class ExecResult:
             oom_killed=raw.oom_killed,
             stdout_omitted=raw.stdout_omitted,
             stderr_omitted=raw.stderr_omitted,
+            exec_id=raw.exec_id,
         )
 
     @property

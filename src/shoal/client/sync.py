@@ -291,6 +291,12 @@ class Sandbox:
         """See `AsyncSandbox.set_network`."""
         return self._client._run(self._inner.set_network(network))
 
+    def processes(self) -> list[dict[str, Any]]:
+        return self._client._run(self._inner.processes())
+
+    def kill_processes(self, exec_id: int | None = None) -> dict[str, int]:
+        return self._client._run(self._inner.kill_processes(exec_id))
+
     def pause(self) -> dict[str, Any]:
         return self._client._run(self._inner.pause())
 

@@ -27,7 +27,9 @@
 #include <string.h>
 #include <linux/random.h>
 #include <linux/capability.h>
+#include <setjmp.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
@@ -73,6 +75,24 @@ static size_t icap = 0, ilen = 0, ipos = 0;
 
 static void kill_tree(int sig);
 
+/* Agent processes: the main one, the handlers it forked (an exec's handler lingers as the "keeper" of what
+ * the command left running), and one pre-forked reserve that serves hello, process lists and kills when
+ * the sandbox's pids limit leaves no room to fork a handler.  Main records each child it forks in this
+ * table, shared (MAP_SHARED, made before any fork) with every agent process and lost at exec, so no
+ * command can see or forge it; a handler marks its own slot when it starts a command.  Every other
+ * process in the sandbox belongs to the exec whose handler is its topmost ancestor below main: handlers
+ * are child subreapers, so neither forking, double-forking nor setsid escapes that ancestry while the
+ * handler (or its keeper) lives. */
+#define AGENT_SLOTS 4096
+#define SLOT_HANDLER 1
+#define SLOT_EXEC 2
+#define SLOT_RESERVE 3
+struct slot {
+    int pid;
+    int kind;
+};
+static struct slot *slots = NULL;
+
 static void put_u32(unsigned char *p, uint32_t v) {
     p[0] = (unsigned char)(v >> 24);
     p[1] = (unsigned char)(v >> 16);
@@ -95,8 +115,13 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+static int in_reserve = 0; /* the reserve serves many connections: a lost one returns to its loop */
+static sigjmp_buf reserve_jmp;
+
 /* The client went away: kill whatever we started and leave. */
 static void conn_lost(void) {
+    if (in_reserve)
+        siglongjmp(reserve_jmp, 1);
     if (cmd_pid > 0)
         kill_tree(SIGKILL);
     _exit(1);
@@ -431,6 +456,255 @@ static void kill_tree(int sig) {
     }
 }
 
+static void slots_init(void) {
+    void *m = mmap(NULL, AGENT_SLOTS * sizeof(struct slot), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                   -1, 0);
+    slots = m == MAP_FAILED ? NULL : m;
+}
+
+static void slot_add(pid_t pid, int kind) {
+    for (int i = 0; slots && i < AGENT_SLOTS; i++) {
+        if (__atomic_load_n(&slots[i].pid, __ATOMIC_SEQ_CST) == 0) {
+            __atomic_store_n(&slots[i].kind, kind, __ATOMIC_SEQ_CST);
+            __atomic_store_n(&slots[i].pid, (int)pid, __ATOMIC_SEQ_CST);
+            return;
+        }
+    }
+}
+
+static void slot_del(pid_t pid) { /* main only, from its SIGCHLD handler */
+    for (int i = 0; slots && i < AGENT_SLOTS; i++) {
+        if (__atomic_load_n(&slots[i].pid, __ATOMIC_SEQ_CST) == (int)pid) {
+            __atomic_store_n(&slots[i].kind, 0, __ATOMIC_SEQ_CST);
+            __atomic_store_n(&slots[i].pid, 0, __ATOMIC_SEQ_CST);
+        }
+    }
+}
+
+static int slot_kind(pid_t pid) {
+    for (int i = 0; slots && i < AGENT_SLOTS; i++) {
+        if (__atomic_load_n(&slots[i].pid, __ATOMIC_SEQ_CST) == (int)pid)
+            return __atomic_load_n(&slots[i].kind, __ATOMIC_SEQ_CST);
+    }
+    return 0;
+}
+
+static void slot_mark_self(int kind) {
+    pid_t self = getpid();
+    for (int i = 0; slots && i < AGENT_SLOTS; i++) {
+        if (__atomic_load_n(&slots[i].pid, __ATOMIC_SEQ_CST) == (int)self)
+            __atomic_store_n(&slots[i].kind, kind, __ATOMIC_SEQ_CST);
+    }
+}
+
+/* fork, recorded in the slot table before SIGCHLD can report the child gone (main only). */
+static pid_t agent_fork(int kind) {
+    sigset_t chld, old;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &chld, &old);
+    pid_t pid = fork();
+    if (pid > 0)
+        slot_add(pid, kind);
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    return pid;
+}
+
+struct proc {
+    pid_t pid, ppid, top; /* top: the ancestor whose parent is main (0: not below main) */
+    char state;
+    int kind; /* slot kind: an agent process if nonzero (or pid == main) */
+};
+
+static int cmp_proc(const void *a, const void *b) {
+    pid_t x = ((const struct proc *)a)->pid, y = ((const struct proc *)b)->pid;
+    return x < y ? -1 : x > y;
+}
+
+static struct proc *find_proc(struct proc *ps, size_t n, pid_t pid) {
+    struct proc key = {.pid = pid};
+    return bsearch(&key, ps, n, sizeof(*ps), cmp_proc);
+}
+
+/* Every process in /proc with its parent, state, agent kind and top ancestor below main; sorted by pid. */
+static struct proc *scan_procs(size_t *count) {
+    *count = 0;
+    DIR *d = opendir("/proc");
+    if (!d)
+        return NULL;
+    size_t cap = 256, n = 0;
+    struct proc *ps = malloc(cap * sizeof(*ps));
+    struct dirent *e;
+    while (ps && (e = readdir(d))) {
+        if (e->d_name[0] < '1' || e->d_name[0] > '9')
+            continue;
+        char path[64], buf[512];
+        int pid = atoi(e->d_name);
+        snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+            continue;
+        ssize_t r = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        if (r <= 0)
+            continue;
+        buf[r] = 0;
+        char *rp = strrchr(buf, ')');
+        char state;
+        int ppid;
+        if (!rp || sscanf(rp + 1, " %c %d", &state, &ppid) != 2)
+            continue;
+        if (n == cap) {
+            struct proc *np = realloc(ps, cap * 2 * sizeof(*ps));
+            if (!np)
+                break;
+            ps = np;
+            cap *= 2;
+        }
+        ps[n++] = (struct proc){(pid_t)pid, (pid_t)ppid, 0, state, 0};
+    }
+    closedir(d);
+    if (!ps)
+        return NULL;
+    qsort(ps, n, sizeof(*ps), cmp_proc);
+    for (size_t i = 0; i < n; i++)
+        ps[i].kind = ps[i].pid == agent_pid ? -1 : slot_kind(ps[i].pid);
+    for (size_t i = 0; i < n; i++) {
+        struct proc *p = &ps[i];
+        for (int depth = 0; p && depth < 100000; depth++) {
+            if (p->ppid == agent_pid) {
+                ps[i].top = p->pid;
+                break;
+            }
+            p = p->ppid > 0 ? find_proc(ps, n, p->ppid) : NULL;
+        }
+    }
+    *count = n;
+    return ps;
+}
+
+/* A process of the sandbox's commands (not the agent's own), below main; of exec `exec` unless 0. */
+static int is_user_proc(const struct proc *p, pid_t exec) {
+    if (p->kind != 0 || p->top == 0 || p->state == 'Z' || p->state == 'X')
+        return 0;
+    return exec == 0 || p->top == exec;
+}
+
+/* SIGKILL every process of exec `exec` (0: of every exec), again until none is left; how many were
+ * signalled.  Never forks: served by the reserve when the pids limit is exhausted.  A process with a
+ * pending SIGKILL cannot complete a fork, so a fork bomb dies out within a few rounds. */
+static uint32_t kill_user_procs(pid_t exec, uint32_t *left) {
+    size_t cap = 256, nk = 0; /* distinct pids signalled (a dying process is seen again next round) */
+    pid_t *seen = malloc(cap * sizeof(pid_t));
+    *left = 0;
+    for (int round = 0; round < 1000; round++) {
+        size_t n;
+        struct proc *ps = scan_procs(&n);
+        uint32_t hit = 0;
+        for (size_t i = 0; ps && i < n; i++) {
+            if (!is_user_proc(&ps[i], exec) || kill(ps[i].pid, SIGKILL) != 0)
+                continue;
+            hit++;
+            size_t k = 0;
+            while (seen && k < nk && seen[k] != ps[i].pid)
+                k++;
+            if (seen && k == nk) {
+                if (nk == cap) {
+                    pid_t *more = realloc(seen, cap * 2 * sizeof(pid_t));
+                    if (more) {
+                        seen = more;
+                        cap *= 2;
+                    }
+                }
+                if (nk < cap)
+                    seen[nk++] = ps[i].pid;
+            }
+        }
+        free(ps);
+        *left = hit;
+        if (hit == 0)
+            break;
+        if (round > 0)
+            usleep(round < 10 ? 200 : 2000);
+    }
+    free(seen);
+    return (uint32_t)nk;
+}
+
+/* 'K': u32 exec (0: all) -> 'A' u32 killed, u32 still there after the last round. */
+static void do_kill_procs(const unsigned char *pl, uint32_t plen) {
+    pid_t exec = plen >= 4 ? (pid_t)rd_u32(pl) : 0;
+    uint32_t left = 0, killed = kill_user_procs(exec, &left);
+    size_t n;
+    struct proc *ps = scan_procs(&n);
+    left = 0;
+    for (size_t i = 0; ps && i < n; i++)
+        left += (uint32_t)is_user_proc(&ps[i], exec);
+    free(ps);
+    unsigned char out[8];
+    put_u32(out, killed);
+    put_u32(out + 4, left);
+    send_ok(out, 8);
+}
+
+/* 'Q' -> 'A' u32 count, then per process: u32 pid, u32 ppid, u32 exec (its handler; 0 if that is gone),
+ * u8 state, command line\0 (at most 255 bytes, NULs as spaces; [comm] for kernel-less ones). */
+static void do_list_procs(void) {
+    size_t n;
+    struct proc *ps = scan_procs(&n);
+    size_t cap = 4 + n * (13 + 256), len = 4;
+    unsigned char *out = malloc(cap);
+    if (!out) {
+        free(ps);
+        send_err(ENOMEM, "process list: out of memory");
+        return;
+    }
+    uint32_t count = 0;
+    for (size_t i = 0; ps && i < n; i++) {
+        if (!is_user_proc(&ps[i], 0))
+            continue;
+        char path[64], cmd[256];
+        snprintf(path, sizeof(path), "/proc/%d/cmdline", (int)ps[i].pid);
+        ssize_t r = -1;
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            r = read(fd, cmd, sizeof(cmd) - 1);
+            close(fd);
+        }
+        if (r <= 0) {
+            snprintf(path, sizeof(path), "/proc/%d/comm", (int)ps[i].pid);
+            char comm[64] = "";
+            fd = open(path, O_RDONLY | O_CLOEXEC);
+            if (fd >= 0) {
+                ssize_t c = read(fd, comm, sizeof(comm) - 1);
+                close(fd);
+                comm[c > 0 ? c : 0] = 0;
+                comm[strcspn(comm, "\n")] = 0;
+            }
+            r = snprintf(cmd, sizeof(cmd), "[%s]", comm);
+        } else {
+            for (ssize_t k = 0; k < r; k++)
+                if (cmd[k] == 0)
+                    cmd[k] = ' ';
+            while (r > 0 && cmd[r - 1] == ' ')
+                r--;
+        }
+        cmd[r] = 0;
+        int exec = slot_kind(ps[i].top) == SLOT_EXEC ? ps[i].top : 0;
+        put_u32(out + len, (uint32_t)ps[i].pid);
+        put_u32(out + len + 4, (uint32_t)ps[i].ppid);
+        put_u32(out + len + 8, (uint32_t)exec);
+        out[len + 12] = (unsigned char)ps[i].state;
+        memcpy(out + len + 13, cmd, (size_t)r + 1);
+        len += 13 + (size_t)r + 1;
+        count++;
+    }
+    free(ps);
+    put_u32(out, count);
+    send_ok(out, len);
+    free(out);
+}
+
 static void on_sigchld(int s) {
     (void)s;
     int saved = errno;
@@ -441,6 +715,27 @@ static void on_sigchld(int s) {
 
 /* ------------------------------------------------------------------------ */
 /* exec                                                                      */
+
+/* After the command exited: if processes it started still run (`nohup server &`), stay as their keeper
+ * (a subreaper, so they stay this exec's for lists and kills) until the last one is gone. */
+static void keep_leftovers(void) {
+    reap_children();
+    if (waitpid(-1, NULL, WNOHANG) < 0 && errno == ECHILD)
+        return;
+    close(conn);
+    conn = -1;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = SIG_DFL;
+    sigaction(SIGCHLD, &sa, NULL);
+    close(sigchld_pipe[0]);
+    close(sigchld_pipe[1]);
+    prctl(PR_SET_NAME, "shoal-keeper");
+    for (;;) {
+        if (waitpid(-1, NULL, 0) < 0 && errno != EINTR)
+            return;
+    }
+}
 
 static void child_fail(const char *what, const char *arg, int err) {
     dprintf(2, "shoal: %s %s: %s\n", what, arg, strerror(err));
@@ -677,6 +972,7 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
         send_err(errno, "exec %s: pipe: %s", argv[0], strerror(errno));
         return;
     }
+    slot_mark_self(SLOT_EXEC);
     pid_t pid = fork();
     if (pid < 0) {
         send_err(errno, "exec %s: fork: %s", argv[0], strerror(errno));
@@ -705,9 +1001,10 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
     if (in_fd >= 0)
         set_nonblock(in_fd);
 
-    unsigned char hdr[4];
+    unsigned char hdr[8]; /* the command's pid, and ours: the exec's ID for process lists and kills */
     put_u32(hdr, (uint32_t)pid);
-    send_frame('P', hdr, 4);
+    put_u32(hdr + 4, (uint32_t)getpid());
+    send_frame('P', hdr, 8);
     flush_out();
     close(go[1]); /* the command may start now */
 
@@ -862,6 +1159,11 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
     put_u64(x + 16, tails[1].dropped);
     send_frame('X', x, sizeof(x));
     flush_out();
+    for (int k = 0; k < 2; k++) /* what the leftovers write now goes nowhere, as before keepers */
+        if (fds[k] >= 0)
+            close(fds[k]);
+    if (in_fd >= 0)
+        close(in_fd);
     /* Stay until the node closes (it does once it has read 'X'), reading and dropping what it sends: stdin
        frames it wrote while the command was already exiting must reach a live socket, or its write fails
        (EPIPE) and it loses the exit frame already sent.  Bounded, in case the node never closes. */
@@ -882,6 +1184,8 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
         if (n <= 0)
             break;
     }
+    free(inbuf);
+    keep_leftovers();
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1684,6 +1988,132 @@ static void do_identity(const unsigned char *pl, uint32_t plen) {
 /* ------------------------------------------------------------------------ */
 /* Main                                                                      */
 
+static void send_hello(void) {
+    unsigned char out[4 + sizeof(AGENT_VERSION)];
+    put_u32(out, (uint32_t)agent_pid);
+    memcpy(out + 4, AGENT_VERSION, sizeof(AGENT_VERSION) - 1);
+    send_ok(out, 4 + sizeof(AGENT_VERSION) - 1);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The reserve: one pre-forked process that serves hello, process lists and  */
+/* kills on connections main could not fork a handler for (the sandbox's     */
+/* pids limit is exhausted, e.g. by a fork bomb), so the node can still       */
+/* clean the sandbox up.  Main passes it such connections over a socketpair  */
+/* (SCM_RIGHTS) and forks a new reserve whenever the old one is gone.         */
+
+static int reserve_sock[2] = {-1, -1}; /* [0] main's end, [1] the reserve's */
+static pid_t reserve_pid = 0;
+
+static int reserve_alive(void) { return reserve_pid > 0 && slot_kind(reserve_pid) == SLOT_RESERVE; }
+
+static void close_fds_except(int keep) {
+    DIR *d = opendir("/proc/self/fd");
+    if (!d)
+        return;
+    int fds[1024], n = 0, dfd = dirfd(d);
+    struct dirent *e;
+    while ((e = readdir(d)) && n < 1024) {
+        int fd = atoi(e->d_name);
+        if (e->d_name[0] >= '0' && e->d_name[0] <= '9' && fd > 2 && fd != keep && fd != dfd)
+            fds[n++] = fd;
+    }
+    closedir(d);
+    for (int i = 0; i < n; i++)
+        close(fds[i]);
+}
+
+static void reserve_loop(void) {
+    in_reserve = 1;
+    prctl(PR_SET_NAME, "shoal-reserve");
+    prctl(PR_SET_PDEATHSIG, SIGKILL); /* main gone (outside a PID namespace): go too */
+    for (;;) {
+        char dummy;
+        struct iovec iov = {&dummy, 1};
+        union {
+            struct cmsghdr h;
+            char buf[CMSG_SPACE(sizeof(int))];
+        } u;
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof(u.buf)};
+        ssize_t r = recvmsg(reserve_sock[1], &msg, 0);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            _exit(0); /* main is gone */
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        if (!c || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        int fd;
+        memcpy(&fd, CMSG_DATA(c), sizeof(fd));
+        struct timeval tv = {5, 0}; /* a silent or stalled client cannot hold the reserve */
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+        conn = fd;
+        ilen = ipos = olen = 0;
+        if (sigsetjmp(reserve_jmp, 1) == 0) {
+            char type;
+            unsigned char *p;
+            uint32_t n;
+            if (read_frame(&type, &p, &n)) {
+                if (type == 'H')
+                    send_hello();
+                else if (type == 'Q')
+                    do_list_procs();
+                else if (type == 'K')
+                    do_kill_procs(p, n);
+                else
+                    send_err(EAGAIN, "the agent could not fork a handler: %s (the sandbox is at its pids limit: "
+                                     "kill its processes (kill_processes), or create it with a larger pids)",
+                             strerror(EAGAIN));
+            }
+        }
+        close(fd);
+        conn = -1;
+        ilen = ipos = olen = 0;
+    }
+}
+
+/* Start a reserve if there is none (quietly fails while the pids limit is exhausted; tried again later). */
+static void ensure_reserve(void) {
+    if (reserve_alive())
+        return;
+    if (reserve_sock[0] < 0 && socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, reserve_sock) < 0)
+        return;
+    pid_t pid = agent_fork(SLOT_RESERVE);
+    if (pid == 0) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof(sa));
+        sa.sa_handler = SIG_DFL;
+        sigaction(SIGCHLD, &sa, NULL);
+        sigaction(SIGTERM, &sa, NULL);
+        sigaction(SIGINT, &sa, NULL);
+        close_fds_except(reserve_sock[1]);
+        reserve_loop();
+    }
+    if (pid > 0)
+        reserve_pid = pid;
+}
+
+/* Hand connection `fd` to the reserve; 0 if it took it. */
+static int pass_to_reserve(int fd) {
+    if (!reserve_alive())
+        return -1;
+    char dummy = 0;
+    struct iovec iov = {&dummy, 1};
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } u;
+    memset(&u, 0, sizeof(u));
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof(u.buf)};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof(fd));
+    return sendmsg(reserve_sock[0], &msg, MSG_DONTWAIT | MSG_NOSIGNAL) == 1 ? 0 : -1;
+}
+
 static void handle(int fd) {
     conn = fd;
     prctl(PR_SET_CHILD_SUBREAPER, 1);
@@ -1699,13 +2129,9 @@ static void handle(int fd) {
     memcpy(req, p, n);
     req[n] = 0;
     switch (type) {
-    case 'H': {
-        unsigned char out[4 + sizeof(AGENT_VERSION)];
-        put_u32(out, (uint32_t)agent_pid);
-        memcpy(out + 4, AGENT_VERSION, sizeof(AGENT_VERSION) - 1);
-        send_ok(out, 4 + sizeof(AGENT_VERSION) - 1);
+    case 'H':
+        send_hello();
         break;
-    }
     case 'E':
         do_exec(req, n);
         break;
@@ -1732,6 +2158,12 @@ static void handle(int fd) {
         break;
     case 'I':
         do_identity(req, n);
+        break;
+    case 'Q':
+        do_list_procs();
+        break;
+    case 'K':
+        do_kill_procs(req, n);
         break;
     default:
         send_err(EINVAL, "unknown request type 0x%02x", (unsigned char)type);
@@ -1814,7 +2246,7 @@ static void chan_open(int serial, uint32_t id) {
         mux_send(serial, id, 'C', NULL, 0);
         return;
     }
-    pid_t pid = fork();
+    pid_t pid = agent_fork(SLOT_HANDLER);
     if (pid == 0) {
         struct sigaction sa;
         memset(&sa, 0, sizeof(sa));
@@ -1823,14 +2255,18 @@ static void chan_open(int serial, uint32_t id) {
         sigaction(SIGTERM, &sa, NULL);
         sigaction(SIGINT, &sa, NULL);
         close(serial);
+        close(reserve_sock[0]);
         close(sv[0]);
         for (size_t i = 0; i < nchans; i++)
             close(chans[i].fd);
         handle(sv[1]);
         _exit(0);
     }
+    int served = pid > 0 || pass_to_reserve(sv[1]) == 0; /* no fork: the reserve serves kills and lists */
     close(sv[1]);
-    if (pid < 0) {
+    if (!reserve_alive())
+        ensure_reserve();
+    if (!served) {
         close(sv[0]);
         mux_send(serial, id, 'C', NULL, 0);
         return;
@@ -2012,8 +2448,9 @@ static void serial_mux(const char *path) {
 static void main_sigchld(int s) {
     (void)s;
     int saved = errno;
-    while (waitpid(-1, NULL, WNOHANG) > 0) {
-    }
+    pid_t p;
+    while ((p = waitpid(-1, NULL, WNOHANG)) > 0)
+        slot_del(p);
     errno = saved;
 }
 
@@ -2148,6 +2585,8 @@ int main(int argc, char **argv) {
        needs CAP_SYS_PTRACE, which sandboxes lack). Commands become dumpable again when they exec. */
     prctl(PR_SET_DUMPABLE, 0);
     agent_pid = getpid();
+    slots_init();
+    ensure_reserve();
     if (serial)
         serial_mux(serial);
 
@@ -2163,7 +2602,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "shoal-agent: accept: %s\n", strerror(errno));
             return 1;
         }
-        pid_t pid = fork();
+        pid_t pid = agent_fork(SLOT_HANDLER);
         if (pid == 0) {
             memset(&sa, 0, sizeof(sa));
             sa.sa_handler = SIG_DFL;
@@ -2171,9 +2610,14 @@ int main(int argc, char **argv) {
             sigaction(SIGTERM, &sa, NULL);
             sigaction(SIGINT, &sa, NULL);
             close(lfd);
+            close(reserve_sock[0]);
             handle(c);
             _exit(0);
         }
+        if (pid < 0 && pass_to_reserve(c) == 0)
+            pid = 0; /* the reserve serves it */
+        if (!reserve_alive())
+            ensure_reserve();
         if (pid < 0) {
             /* Typically the sandbox's pids limit: answer instead of dropping the connection, so the node
                reports a full sandbox rather than a lost one. */

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from shoal.protocol import cut_marker
 
-__all__ = ["AgentClient", "AgentError", "ExecProcess", "ExitInfo", "FileEntry"]
+__all__ = ["AgentClient", "AgentError", "ExecProcess", "ExitInfo", "FileEntry", "ProcessEntry"]
 
 MAX_FRAME = 16 << 20
 _CHUNK = 1 << 20
@@ -49,6 +49,17 @@ class ExitInfo:
     signal: int
     stdout_dropped: int
     stderr_dropped: int
+
+
+@dataclass(frozen=True)
+class ProcessEntry:
+    """A process in the sandbox; ``exec_id`` is the exec that started it (None once that is unknown)."""
+
+    pid: int
+    ppid: int
+    exec_id: int | None
+    state: str
+    command: str
 
 
 @dataclass(frozen=True)
@@ -155,9 +166,10 @@ class _Conn:
 class ExecProcess:
     """A running command: one open connection streaming its output."""
 
-    def __init__(self, conn: _Conn, pid: int) -> None:
+    def __init__(self, conn: _Conn, pid: int, handler_pid: int | None = None) -> None:
         self._conn = conn
         self.pid = pid
+        self.handler_pid = handler_pid  # the exec's ID in `processes()` and `kill_processes(exec_id)`
         self.exit: ExitInfo | None = None
         self._closed = False
 
@@ -251,6 +263,25 @@ class AgentClient:
         payload = await self._simple(b"H", b"")
         return _U32.unpack_from(payload)[0], payload[4:].decode()
 
+    async def processes(self) -> list[ProcessEntry]:
+        """The sandbox's processes other than the agent's own, each with the exec (handler pid) it belongs to."""
+        payload = await self._simple(b"Q", b"")
+        (count,), offset, entries = _U32.unpack_from(payload), 4, []
+        for _ in range(count):
+            pid, ppid, exec_id = struct.unpack_from(">III", payload, offset)
+            end = payload.index(b"\0", offset + 13)
+            command = payload[offset + 13 : end].decode("utf-8", "replace")
+            entries.append(ProcessEntry(pid, ppid, exec_id or None, chr(payload[offset + 12]), command))
+            offset = end + 1
+        return entries
+
+    async def kill_processes(self, exec_id: int | None = None) -> tuple[int, int]:
+        """SIGKILL the processes of exec `exec_id` (all but the agent's if None), until none is left; needs
+        no fork in the sandbox (served by the agent's reserve at the pids limit). Returns (killed, left)."""
+        payload = await self._simple(b"K", _U32.pack(exec_id or 0))
+        killed, left = struct.unpack_from(">II", payload)
+        return killed, left
+
     async def exec(
         self,
         argv: list[str],
@@ -282,7 +313,8 @@ class AgentClient:
         except BaseException:
             await conn.close()
             raise
-        return ExecProcess(conn, _U32.unpack(payload)[0])
+        handler = _U32.unpack_from(payload, 4)[0] if len(payload) >= 8 else None  # older agents: pid only
+        return ExecProcess(conn, _U32.unpack_from(payload)[0], handler)
 
     async def read_file(self, path: str, max_bytes: int = 64 << 20) -> bytes:
         """Return the contents of ``path``; errors if it is larger than ``max_bytes``."""

@@ -42,6 +42,14 @@ class Sandbox:
     busy: int = 0  # requests in progress (an idle timer does not run while a command does)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises pause, resume and snapshot
     screen: Any = None  # node.gui.Screen: its display's helper, when it has a screen
+    execs: dict[int, str] = field(default_factory=dict)  # recent execs' commands by exec ID (processes())
+
+    def remember_exec(self, exec_id: int | None, command: str) -> None:
+        if exec_id is not None:
+            self.execs.pop(exec_id, None)
+            self.execs[exec_id] = command[:200]
+            while len(self.execs) > 512:
+                del self.execs[next(iter(self.execs))]
 
     @property
     def env(self) -> dict[str, str]:

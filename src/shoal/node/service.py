@@ -788,6 +788,7 @@ class NodeService:
                     f"limit is {sandbox.spec.pids}; wait for processes to exit or kill them"
                 ) from None
             raise CapacityError(f"sandbox {sandbox.id} dropped the command before it started: {exc}") from None
+        sandbox.remember_exec(proc.handler_pid, req.cmd if isinstance(req.cmd, str) else " ".join(req.cmd))
         stdout, stderr = bytearray(), bytearray()
         timed_out = killed_inside = False
         pending: asyncio.Future | None = None
@@ -849,6 +850,7 @@ class NodeService:
             oom_killed=oom,
             stdout_omitted=exit_info.stdout_dropped if exit_info else 0,
             stderr_omitted=exit_info.stderr_dropped if exit_info else 0,
+            exec_id=proc.handler_pid,
         )
 
     # ---------------------------------------------------------------- files
@@ -863,6 +865,31 @@ class NodeService:
             raise
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
             raise await self._lost(sandbox, exc) from exc
+
+    # ---------------------------------------------------------------- processes that outlive their exec
+
+    async def processes(self, sandbox_id: str) -> list[dict[str, Any]]:
+        """The sandbox's processes but its agent's, each with the exec that started it (guest/agent.c: an
+        exec's handler stays the subreaper of what its command left running, so forks and setsid stay its)."""
+        sandbox = self._get(sandbox_id)
+        entries = await self._agent_call(sandbox_id, "processes")
+        return [
+            {
+                "pid": e.pid,
+                "ppid": e.ppid,
+                "state": e.state,
+                "command": e.command,
+                "exec_id": e.exec_id,
+                "exec_command": sandbox.execs.get(e.exec_id) if e.exec_id else None,
+            }
+            for e in entries
+        ]
+
+    async def kill_processes(self, sandbox_id: str, exec_id: int | None = None) -> dict[str, int]:
+        """SIGKILL every process of exec `exec_id` (of every exec if None); the agent stays. Needs no fork in
+        the sandbox, so it also works when a fork bomb holds every pid (the agent's reserve serves it)."""
+        killed, left = await self._agent_call(sandbox_id, "kill_processes", exec_id)
+        return {"killed": killed, "left": left}
 
     async def _file_step(self, op: str, sandbox_id: str, seq: int | None, args: dict[str, Any], run: Any) -> Any:
         return await self._step(self._get(sandbox_id), op, args, seq, run)

@@ -1,0 +1,99 @@
+"""Processes that outlive their exec: listed with the exec that started them, killed per exec or all at once,
+also when a fork bomb holds every pid of the sandbox (guest/agent.c: keepers, the reserve).
+
+Every sandbox here has a ttl_s and is closed in a `with`, so no bomb outlives its test.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import shoal
+
+LEFTOVERS = "sleep 101 >/dev/null 2>&1 & setsid sh -c 'sleep 102 >/dev/null 2>&1 &'; (sh -c 'sleep 103 &' &); echo ok"
+# bash retries a fork that fails, so this bomb holds every pid of a pids=64 sandbox until it is killed
+BOMB = "bash -c 'bomb() { bomb | bomb & }; bomb' >/dev/null 2>&1; echo started"
+# Where pids does not cap the bomb, a tree bounded by its depth (2^(d+1) processes that stay): the microvm
+# guest (its kernel sees no cgroup of ours) and runsc (pids counts gVisor's own host threads, and a bomb
+# that reaches it takes the sandbox down, so it is reported lost, rather than failing its forks).
+TREE = "tree() { if [ $1 -gt 0 ]; then tree $(($1-1)) & tree $(($1-1)) & wait; else sleep 300; fi; }; "
+TREE += "tree DEPTH >/dev/null 2>&1 & echo started"
+
+
+def _until_empty(sb: shoal.Sandbox, timeout: float = 60.0) -> float:
+    """Seconds until the sandbox lists no process but its agent's (fails after `timeout`)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if not sb.processes():
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"processes still there after {timeout} s: {sb.processes()[:5]}")
+
+
+@pytest.fixture(scope="module")
+def neighbour(client: shoal.Client) -> Iterator[shoal.Sandbox]:
+    with client.create(image="busybox", pool=False, ttl_s=900) as sandbox:
+        yield sandbox
+
+
+def test_leftovers_are_listed_with_their_exec_and_killed_per_exec(client: shoal.Client) -> None:
+    with client.create(image="busybox", pool=False, ttl_s=300) as sb:
+        first = sb.exec(LEFTOVERS)
+        second = sb.exec("sleep 104 >/dev/null 2>&1 & echo ok")
+        assert first.stdout == second.stdout == "ok\n" and first.exec_id and second.exec_id != first.exec_id
+        assert sb.exec("echo no leftovers").exec_id  # an exec that leaves nothing lists nothing
+        listed = {p["command"]: p for p in sb.processes()}
+        assert set(listed) == {"sleep 101", "sleep 102", "sleep 103", "sleep 104"}, listed
+        for name in ("sleep 101", "sleep 102", "sleep 103"):  # setsid and double fork stay the first exec's
+            assert listed[name]["exec_id"] == first.exec_id and listed[name]["exec_command"] == LEFTOVERS
+        assert listed["sleep 104"]["exec_id"] == second.exec_id
+        assert sb.kill_processes(first.exec_id)["killed"] == 3
+        assert [p["command"] for p in sb.processes()] == ["sleep 104"]
+        assert sb.kill_processes() == {"killed": 1, "left": 0}
+        _until_empty(sb)
+        assert sb.exec("echo still here").stdout == "still here\n"
+
+
+def test_a_timeout_kills_what_escaped_with_setsid(client: shoal.Client) -> None:
+    with client.create(image="busybox", pool=False, ttl_s=300) as sb:
+        r = sb.exec("setsid sh -c 'sleep 105 >/dev/null 2>&1 &'; (sleep 106 >/dev/null 2>&1 &); sleep 100", timeout=1)
+        assert r.timed_out
+        _until_empty(sb)
+
+
+CASES = [("container", "crun"), ("container", "runc"), ("container", "runsc"), ("microvm", None)]
+
+
+@pytest.mark.parametrize(("kind", "runtime"), CASES, ids=[r or k for k, r in CASES])
+def test_kill_processes_ends_a_fork_bomb_the_exec_left(
+    client: shoal.Client, neighbour: shoal.Sandbox, kind: str, runtime: str | None
+) -> None:
+    if kind not in client.kinds():
+        pytest.skip(f"kind {kind} is not available on this node (QEMU missing)")
+    if runtime and shutil.which(runtime) is None:
+        pytest.skip(f"runtime {runtime} is not installed on this host")
+    if kind == "microvm":
+        options, image, cmd = {"memory_mb": 512}, "debian", TREE.replace("DEPTH", "6")
+    elif runtime == "runsc":
+        options, image, cmd = {"runtime": runtime}, "busybox", TREE.replace("DEPTH", "4")
+    else:
+        options, image, cmd = {"runtime": runtime, "pids": 64}, "debian", BOMB
+    with client.create(kind, image=image, pool=False, ttl_s=600, **options) as sb:
+        r = sb.exec(cmd, timeout=60)
+        assert r.stdout == "started\n" and not r.timed_out  # the exec returned; its bomb runs on
+        deadline = time.monotonic() + 60
+        while len(sb.processes()) < 20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(sb.processes()) >= 20
+        assert neighbour.exec("echo ok", timeout=60).stdout == "ok\n"
+        start = time.monotonic()
+        outcome = sb.kill_processes()
+        assert outcome["left"] == 0 and outcome["killed"] >= 20
+        emptied = _until_empty(sb)
+        print(f"{kind}/{runtime}: kill_processes {outcome} in {time.monotonic() - start:.3f} s (+{emptied:.3f} s)")
+        assert sb.exec("echo answers", timeout=60).stdout == "answers\n"
+        assert neighbour.exec("echo ok", timeout=60).stdout == "ok\n"
