@@ -97,3 +97,24 @@ def test_kill_processes_ends_a_fork_bomb_the_exec_left(
         print(f"{kind}/{runtime}: kill_processes {outcome} in {time.monotonic() - start:.3f} s (+{emptied:.3f} s)")
         assert sb.exec("echo answers", timeout=60).stdout == "answers\n"
         assert neighbour.exec("echo ok", timeout=60).stdout == "ok\n"
+
+
+def test_sandboxes_without_cpu_get_the_default_cap(client: shoal.Client, node) -> None:  # noqa: ANN001
+    """A runaway in a sandbox that named no cpu= is held to SHOAL_DEFAULT_CPU (1 core by default); cpu= overrides."""
+    import os
+
+    from shoal import cgroups
+
+    def quota(sandbox_id: str) -> int | None:
+        rel = f"{node.cgroup_parent}/{sandbox_id}"
+        if cgroups.layout() == "v2":
+            value = (cgroups.ROOT / rel / "cpu.max").read_text().split()[0]
+            return None if value == "max" else int(value)
+        value = int((cgroups.ROOT / "cpu" / rel / "cpu.cfs_quota_us").read_text())
+        return None if value < 0 else value
+
+    cores = os.cpu_count() or 1
+    with client.create(image="busybox", pool=False, ttl_s=300) as plain:
+        assert quota(plain.id) == 100_000  # one core of a 100 ms period
+    with client.create(image="busybox", pool=False, ttl_s=300, cpu=cores) as big:
+        assert quota(big.id) == cores * 100_000

@@ -52,6 +52,7 @@ def node_tag(home: Path) -> str:
 
 DEFAULT_TTL_S = 24 * 3600.0
 DEFAULT_IDLE_S = 30 * 60.0
+DEFAULT_CPU = 1.0
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class NodeSettings:
     # script that dies before close() does not leak its sandboxes forever
     default_ttl_s: float | None = DEFAULT_TTL_S
     default_idle_timeout_s: float | None = DEFAULT_IDLE_S
+    # the CPU cap (cores, a CFS quota) of container sandboxes that name no cpu=, so one runaway (a fork
+    # bomb, a busy loop per core) cannot load the whole host; None: no cap
+    default_cpu: float | None = DEFAULT_CPU
 
     @classmethod
     def from_env(cls, home: Path | None = None) -> NodeSettings:
@@ -97,6 +101,7 @@ class NodeSettings:
             default_disk_mb=settings.DEFAULT_DISK_MB.get() or 0,
             default_ttl_s=settings.DEFAULT_TTL_S.get() or None,
             default_idle_timeout_s=settings.DEFAULT_IDLE_S.get() or None,
+            default_cpu=settings.DEFAULT_CPU.get() or None,
         )
 
 

@@ -76,10 +76,11 @@ def _defaults_check() -> Check:
         settings = NodeSettings.from_env()
     except ValueError as exc:
         return Check("sandbox defaults", False, str(exc), "fix the SHOAL_DEFAULT_* setting")
-    ttl, idle = settings.default_ttl_s, settings.default_idle_timeout_s
+    ttl, idle, cpu = settings.default_ttl_s, settings.default_idle_timeout_s, settings.default_cpu
     detail = (
         f"ttl {duration(ttl)} (SHOAL_DEFAULT_TTL_S), idle timeout {duration(idle)} (SHOAL_DEFAULT_IDLE_S); "
-        "create(ttl_s=None, idle_timeout_s=None) lives until closed"
+        "create(ttl_s=None, idle_timeout_s=None) lives until closed; "
+        f"cpu cap {'none' if cpu is None else f'{cpu:g} cores'} (SHOAL_DEFAULT_CPU; cpu= overrides)"
     )
     return Check("sandbox defaults", True, detail)
 

@@ -148,6 +148,10 @@ DEFAULT_IDLE_S: Setting[float] = _declare(
     "SHOAL_DEFAULT_IDLE_S", float, 30 * 60.0, NODE,
     "Idle timeout (s) of sandboxes whose create leaves `idle_timeout_s` unset; 0: none. An explicit None opts out.",
 )  # fmt: skip
+DEFAULT_CPU: Setting[float] = _declare(
+    "SHOAL_DEFAULT_CPU", float, 1.0, NODE,
+    "CPU cap (cores, a CFS quota) of containers that name no `cpu`, so one runaway cannot load the host; 0: none.",
+)  # fmt: skip
 LOG_LEVEL: Setting[str] = _declare("SHOAL_LOG_LEVEL", str, "INFO", NODE, "Log level of nodes and gateways.")
 
 # ---------------------------------------------------------------- sandbox kinds

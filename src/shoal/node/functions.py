@@ -181,7 +181,10 @@ class FunctionService:
         return False
 
     async def _start_worker(self, key: WorkerKey) -> Worker:
-        spec = SandboxSpec(kind="container", image=key.image, runtime=key.runtime, pids=None, pool=False)
+        # every core: a worker serves many calls at once, each under its own call cgroup's cpu limit (the
+        # node's default cap for sandboxes that name no cpu= would make them share one core)
+        cores = float(os.cpu_count() or 1)
+        spec = SandboxSpec(kind="container", image=key.image, runtime=key.runtime, pids=None, pool=False, cpu=cores)
         sandbox = await self.node.make_sandbox(spec)
         self._configs[key.image] = sandbox.image.config  # as the image is now (it may have been rebuilt)
         try:

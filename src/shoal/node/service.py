@@ -85,7 +85,9 @@ class NodeService:
         self.images = register_builtins(ImageStore(paths.images))
         self.node_images = NodeImages(self.images, paths.home / "layers")
         self.substrates: dict[str, Substrate] = {
-            "container": ContainerSubstrate(paths.sandboxes, paths.runtime_root, settings.cgroup_parent),
+            "container": ContainerSubstrate(
+                paths.sandboxes, paths.runtime_root, settings.cgroup_parent, default_cpu=settings.default_cpu
+            ),
         }
         if shutil.which(QEMU.get()) and shutil.which("qemu-img"):
             from shoal.substrates.microvm import MicrovmSubstrate

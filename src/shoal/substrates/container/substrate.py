@@ -37,7 +37,9 @@ class ContainerSubstrate(Substrate):
     kind = "container"
     capabilities = Capabilities(pause=True, image_commit=True, disk_cap=True, readopt=True)
 
-    def __init__(self, sandboxes_dir: Path, runtime_root: Path, cgroup_parent: str = "shoal") -> None:
+    def __init__(
+        self, sandboxes_dir: Path, runtime_root: Path, cgroup_parent: str = "shoal", default_cpu: float | None = None
+    ) -> None:
         self.sandboxes_dir = sandboxes_dir
         self.runtime_root = runtime_root
         self.cgroup_parent = cgroup_parent
@@ -45,6 +47,7 @@ class ContainerSubstrate(Substrate):
         self._runtimes: dict[str, OciRuntime] = {}
         self.userns_base: int | None = settings.USERNS.get()
         self.default_disk_mb: int | None = settings.DEFAULT_DISK_MB.get()  # a cap for sandboxes that name none
+        self.default_cpu = default_cpu  # the cap of sandboxes that name no cpu= (NodeSettings.default_cpu)
 
     def runtime(self, name: str) -> OciRuntime:
         if name not in self._runtimes:
@@ -86,7 +89,7 @@ class ContainerSubstrate(Substrate):
                 hostname="sandbox",
                 agent_binary=self.agent_binary,
                 cgroup_path=instance.cgroup_path,
-                cpu=spec.cpu,
+                cpu=spec.cpu if spec.cpu is not None else self.default_cpu,
                 memory_mb=spec.memory_mb,
                 pids=spec.pids,
                 agent_dir=str(agent_dir) if agent_dir else None,
