@@ -158,6 +158,7 @@ class NodeService:
         """Stop but leave running the sandboxes a restarted node re-adopts (containers without a network
         policy), as a crash would; the rest (warm pools, functions, VMs, networked ones) are closed.
         Until a node starts again on this home nothing reaps the kept ones (TTL, idle)."""
+        self._stopping = True
         if self._reaper:
             self._reaper.cancel()
         await self.functions.stop()
