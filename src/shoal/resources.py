@@ -17,7 +17,7 @@ from shoal.errors import InvalidRequestError
 MIN_MEMORY_MB = 8
 MIN_VM_MEMORY_MB = 64  # a Debian kernel and the agent do not boot in less
 MIN_DISK_MB = 4
-MIN_PIDS = 2  # the agent and one command
+MIN_PIDS = 4  # the agent, its reserve, a request's handler and one command
 # A guest's RAM is fixed when it boots, so a VM always has a size; these are the sizes without memory_mb.
 VM_MEMORY_MB = {"microvm": 256, "vm": 512}
 # What a create without cpu / memory_mb counts against its project's quota (the gateway and nodes agree).
@@ -60,7 +60,10 @@ def check(spec: Any, cores: int | None = None, total_mb: int | None = None) -> N
         if spec.memory_mb > total_mb:
             raise InvalidRequestError(f"memory_mb={spec.memory_mb} exceeds this node's {total_mb} MB")
     if spec.pids is not None and spec.pids < MIN_PIDS:
-        raise InvalidRequestError(f"pids={spec.pids}: a sandbox needs at least 2 (its agent and one command)")
+        raise InvalidRequestError(
+            f"pids={spec.pids}: a sandbox needs at least {MIN_PIDS} (its agent, the agent's reserve, the handler "
+            "of a request and one command)"
+        )
     if spec.disk_mb is not None and spec.disk_mb < MIN_DISK_MB:
         raise InvalidRequestError(f"disk_mb={spec.disk_mb} is below the minimum of {MIN_DISK_MB} MB")
 
