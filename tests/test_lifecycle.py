@@ -171,7 +171,7 @@ def _wait_closed(client: shoal.Client, sandbox_id: str, timeout: float = 30.0) -
 
 def test_default_lifetimes_reap_abandoned_sandboxes(tmp_path) -> None:  # noqa: ANN001
     """A create that names no lifetime gets the node's defaults (lowered here through their settings); an
-    explicit None lives until closed; `shoal ls` shows owner and what ends each sandbox when."""
+    explicit None lives until closed."""
     from conftest import no_leftovers
 
     node = NodeProcess(
@@ -181,18 +181,13 @@ def test_default_lifetimes_reap_abandoned_sandboxes(tmp_path) -> None:  # noqa: 
         with node.client() as client:
             abandoned = client.create(image="busybox", pool=False)
             assert abandoned.info.idle_timeout_s == 1.5 and abandoned.info.expires_at is not None
-            busy = client.create(image="busybox", trajectory=f"deflife-{os.getpid()}")  # pool and trajectory paths
+            # the default TTL alone (idle explicitly off), through the pool and trajectory paths
+            busy = client.create(image="busybox", trajectory=f"deflife-{os.getpid()}", idle_timeout_s=None)
+            assert busy.info.idle_timeout_s is None and busy.info.expires_at is not None
             forever = client.create(image="busybox", pool=False, ttl_s=None, idle_timeout_s=None)
             assert forever.info.expires_at is None and forever.info.idle_timeout_s is None
-            listing = subprocess.run(
-                [sys.executable, "-m", "shoal.cli", "--home", str(node.home), "ls"],
-                capture_output=True, text=True, check=True, timeout=60,
-            ).stdout  # fmt: skip
-            rows = {line.split("\t")[0]: line.split("\t") for line in listing.splitlines()[1:]}
-            assert rows[forever.id][4] == forever.info.owner and rows[forever.id][5] == "never"
-            assert rows[abandoned.id][5].startswith("idle ")
             assert "idle" in _wait_closed(client, abandoned.id)
-            while True:  # never idle (a request every 0.3 s), yet its default TTL ends it
+            while True:  # in use all along, yet its default TTL ends it
                 try:
                     assert busy.exec("echo hi").stdout == "hi\n"
                 except shoal.SandboxClosedError as exc:
@@ -204,3 +199,17 @@ def test_default_lifetimes_reap_abandoned_sandboxes(tmp_path) -> None:  # noqa: 
     finally:
         node.stop()
     assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
+def test_ls_shows_owner_and_what_ends_each_sandbox(client: shoal.Client, node: NodeProcess) -> None:
+    with (
+        client.create(image="busybox", pool=False, ttl_s=600) as timed,
+        client.create(image="busybox", pool=False, ttl_s=None, idle_timeout_s=None) as forever,
+    ):
+        listing = subprocess.run(
+            [sys.executable, "-m", "shoal.cli", "--home", str(node.home), "ls"],
+            capture_output=True, text=True, check=True, timeout=120,
+        ).stdout  # fmt: skip
+        rows = {line.split("\t")[0]: line.split("\t") for line in listing.splitlines()[1:]}
+        assert rows[forever.id][4] == forever.info.owner and rows[forever.id][5] == "never"
+        assert rows[timed.id][4] == timed.info.owner and rows[timed.id][5].startswith("ttl ")  # 10 min < 30 min idle

@@ -388,6 +388,7 @@ class NodeService:
         return msgspec.structs.replace(spec, **changes) if changes else spec
 
     def _validate(self, spec: SandboxSpec) -> None:
+        """Refuse impossible specs (lifetimes may still be UNSET: pools and calls take them from each create)."""
         if spec.kind not in self.substrates and spec.kind != "function":
             known = "unknown kind" if spec.kind not in KINDS else "not available on this node yet"
             raise UnsupportedKindError(f"kind {spec.kind!r}: {known}; kinds available here: {', '.join(self.kinds())}")
@@ -401,10 +402,10 @@ class NodeService:
                 f"disk_mb={spec.disk_mb}: {spec.kind} sandboxes have no disk cap yet; leave disk_mb unset or use "
                 f"kind={' or '.join(repr(k) for k in self._kinds_with('disk_cap'))}"
             )
-        if spec.ttl_s is not None and spec.ttl_s <= 0:
+        if isinstance(spec.ttl_s, (int, float)) and spec.ttl_s <= 0:
             raise InvalidRequestError(f"ttl_s={spec.ttl_s} must be positive (or None for no limit)")
         network.normalise(spec.network)
-        if spec.idle_timeout_s is not None and spec.idle_timeout_s <= 0:
+        if isinstance(spec.idle_timeout_s, (int, float)) and spec.idle_timeout_s <= 0:
             raise InvalidRequestError(f"idle_timeout_s={spec.idle_timeout_s} must be positive (or None)")
         if spec.on_timeout not in ON_TIMEOUT:
             raise InvalidRequestError(f"on_timeout={spec.on_timeout!r}: choose one of {', '.join(ON_TIMEOUT)}")
