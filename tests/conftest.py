@@ -42,7 +42,7 @@ def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dic
             cgroup_dirs += [str(p) for p in parent.iterdir() if p.is_dir()]
             if node_stopped:  # a node that stopped cleanly removes its own parent too
                 cgroup_dirs.append(str(parent))
-    agents, vms = [], []
+    agents, helpers, vms = [], [], []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
@@ -50,7 +50,8 @@ def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dic
             except OSError:
                 continue
             if cmdline.startswith(b"/.shoal/agent") and _in_cgroup(proc, cgroup_parent):
-                agents.append(proc.name)
+                # a sandbox's agent, or one of its helpers (reserve, keepers: forks of it, child of an agent)
+                (helpers if _parent_is_agent(proc) else agents).append(proc.name)
             if b"qemu-system" in cmdline.split(b"\0")[0] and f"{home}/".encode() in cmdline:
                 vms.append(proc.name)
     dirs = [str(p) for p in (home / "sandboxes").iterdir()] if (home / "sandboxes").is_dir() else []
@@ -66,8 +67,17 @@ def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dic
     vm_files = [str(p) for p in (home / "vm-templates").glob(".build-*")]
     if node_stopped:
         vm_files += [str(p) for p in (home / "vm-snapshots").glob("*")]
-    return {"mounts": mounts, "cgroups": cgroup_dirs, "agents": agents, "qemu": vms, "dirs": dirs, "links": links,
+    return {"mounts": mounts, "cgroups": cgroup_dirs, "agents": agents, "agent_helpers": helpers, "qemu": vms,
+            "dirs": dirs, "links": links,
             "nft": nft, "loops": loops, "vm_files": vm_files, "layers": layer_mounts(home)}  # fmt: skip
+
+
+def _parent_is_agent(proc: Path) -> bool:
+    try:
+        ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+        return Path(f"/proc/{ppid}/cmdline").read_bytes().startswith(b"/.shoal/agent")
+    except (OSError, IndexError):
+        return False
 
 
 def _losetup() -> list[str]:
