@@ -118,3 +118,24 @@ def test_sandboxes_without_cpu_get_the_default_cap(client: shoal.Client, node) -
         assert quota(plain.id) == 100_000  # one core of a 100 ms period
     with client.create(image="busybox", pool=False, ttl_s=300, cpu=cores) as big:
         assert quota(big.id) == cores * 100_000
+
+
+def test_killing_the_agents_helpers_from_inside_loses_nothing(client: shoal.Client) -> None:
+    """Root in the sandbox may kill the agent's reserve and an exec's keeper (plain processes to it): a killed
+    keeper's processes are still listed (exec unknown) and killed; the reserve is forked again, so a bomb
+    started afterwards is still ended."""
+    with client.create(image="debian", pool=False, ttl_s=300, pids=64) as sb:
+        left = sb.exec("sleep 107 >/dev/null 2>&1 &")
+        [sleeper] = sb.processes()
+        assert sleeper["ppid"] == left.exec_id  # its keeper: the exec's handler, whose pid names the exec
+        sb.exec(f"kill -9 {left.exec_id}")
+        assert [(p["command"], p["exec_id"]) for p in sb.processes()] == [("sleep 107", None)]
+        sb.exec("kill -9 -1")  # everything root may signal here: the reserve too (the agent is PID 1)
+        assert sb.exec("echo next").stdout == "next\n"  # its connection makes the agent fork a new reserve
+        assert sb.exec(BOMB, timeout=60).stdout == "started\n"
+        deadline = time.monotonic() + 60
+        while len(sb.processes()) < 20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sb.kill_processes()["left"] == 0
+        _until_empty(sb)
+        assert sb.exec("echo answers", timeout=60).stdout == "answers\n"
