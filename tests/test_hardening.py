@@ -272,8 +272,11 @@ def test_user_namespace_maps_root_to_unprivileged_host_uid(tmp_path: Path) -> No
             assert sb.exec("id -u; echo data > /root/file").stdout == "0\n"
             upper = node.home / "sandboxes" / sb.id / "disk" / "upper" / "root" / "file"  # on its own disk
             assert upper.stat().st_uid == base  # on the host the file belongs to the unprivileged uid
-            (agent_pid,) = [p for p in cgroups.procs(f"/{node.cgroup_parent}/{sb.id}") if _cmdline(p) == "agent"]
-            assert Path(f"/proc/{agent_pid}/status").read_text().count(f"\t{base}\t") >= 1
+            # the agent and its reserve (a fork of it): both run as the unprivileged host uid
+            agents = [p for p in cgroups.procs(f"/{node.cgroup_parent}/{sb.id}") if _cmdline(p) == "agent"]
+            assert len(agents) == 2
+            for agent_pid in agents:
+                assert Path(f"/proc/{agent_pid}/status").read_text().count(f"\t{base}\t") >= 1
             assert sb.exec("id -u nobody").stdout == "65534\n"
             assert sb.exec("su -s /bin/sh nobody -c 'id -u'").stdout == "65534\n"
             sb.exec("mkdir -p /w && chmod 777 /w")
