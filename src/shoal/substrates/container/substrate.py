@@ -111,6 +111,8 @@ class ContainerSubstrate(Substrate):
                 await _wait_for_socket(instance.agent_socket, directory / "runtime.log")
         except BaseException:
             try:
+                if "pid" not in instance.extra and (directory / "pid").exists():  # `run -d` finished: stop its
+                    instance.extra["pid"] = int((directory / "pid").read_text())  # init directly, as close does
                 await asyncio.shield(self.destroy(instance))
             except Exception as exc:  # say why the cleanup failed; the create's own error is what it raises
                 log.warning("could not clean up after the failed create of %s: %r", sandbox_id, exc)
