@@ -11,6 +11,7 @@ Per sandbox, under its state directory:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -111,8 +112,8 @@ class ContainerSubstrate(Substrate):
                 await _wait_for_socket(instance.agent_socket, directory / "runtime.log")
         except BaseException:
             try:
-                if "pid" not in instance.extra and (directory / "pid").exists():  # `run -d` finished: stop its
-                    instance.extra["pid"] = int((directory / "pid").read_text())  # init directly, as close does
+                with contextlib.suppress(OSError, ValueError):  # `run -d` finished: kill its init directly,
+                    instance.extra.setdefault("pid", int((directory / "pid").read_text()))  # as close does
                 await asyncio.shield(self.destroy(instance))
             except Exception as exc:  # say why the cleanup failed; the create's own error is what it raises
                 log.warning("could not clean up after the failed create of %s: %r", sandbox_id, exc)
