@@ -151,6 +151,8 @@ ARGS: dict[str, Args] = {
     "kill": lambda c, sb, x: {"sandbox_id": _fresh(c)},
     "close_all": lambda c, sb, x: {"labels": NOWHERE},
     "keepalive": lambda c, sb, x: {"sandbox_id": sb, "ttl_s": 900},
+    "processes": lambda c, sb, x: {"sandbox_id": sb},
+    "kill_processes": lambda c, sb, x: {"sandbox_id": sb, "exec_id": 999999},  # no such exec: kills nothing
     "pause": lambda c, sb, x: {"sandbox_id": sb},
     "resume": lambda c, sb, x: {"sandbox_id": sb},
     "pause_all": lambda c, sb, x: {"labels": NOWHERE},
