@@ -26,6 +26,10 @@ _LEN = struct.Struct(">I")
 KINDS = ("function", "container", "microvm", "vm")
 
 
+UNSET = msgspec.UNSET  # a create argument left out: the node's default applies (e.g. ttl_s)
+Unset = msgspec.UnsetType
+
+
 class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Everything `create` accepts. Fields that only bind at claim time are marked late-bound."""
 

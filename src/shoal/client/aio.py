@@ -29,7 +29,7 @@ from shoal.errors import (
     UnsafeEntryWarning,
 )
 from shoal.errors import from_wire as wire_error
-from shoal.protocol import OutputChunk, SandboxSpec
+from shoal.protocol import UNSET, OutputChunk, SandboxSpec, Unset
 from shoal.steps import describe, divergence_message, is_bulk, step_key
 from shoal.tasks import TaskOwner
 
@@ -229,8 +229,8 @@ class AsyncClient:
         memory_mb: int | None = None,
         pids: int | None = 1024,
         disk_mb: int | None = None,
-        ttl_s: float | None = None,
-        idle_timeout_s: float | None = None,
+        ttl_s: float | None | Unset = UNSET,
+        idle_timeout_s: float | None | Unset = UNSET,
         on_timeout: str = "kill",
         env: dict[str, str] | None = None,
         workdir: str | None = None,
@@ -259,8 +259,10 @@ class AsyncClient:
             pids: most processes at once (a fork bomb stops here).
             disk_mb: most MiB it may write; None: no cap.
             ttl_s: it is closed (or paused, see `on_timeout`) this many seconds after creation;
-                `keepalive` pushes the deadline out.
-            idle_timeout_s: it is closed (or paused) after this long without a request.
+                `keepalive` pushes the deadline out. Left out: the node's default (SHOAL_DEFAULT_TTL_S, 24 h),
+                so an abandoned sandbox ends; None: no limit.
+            idle_timeout_s: it is closed (or paused) after this long without a request. Left out: the node's
+                default (SHOAL_DEFAULT_IDLE_S, 30 min); None: no limit.
             on_timeout: "kill" or "pause" when `ttl_s` or `idle_timeout_s` runs out.
             env: environment of every command it runs.
             workdir: working directory of its commands (default "/").

@@ -22,7 +22,7 @@ from shoal.client.functions import RunCodeResult
 from shoal.client.gui import Gui
 from shoal.client.image import ImageBuilder
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
-from shoal.protocol import OutputChunk
+from shoal.protocol import UNSET, OutputChunk, Unset
 
 T = TypeVar("T")
 
@@ -101,8 +101,8 @@ class Client:
         memory_mb: int | None = None,
         pids: int | None = 1024,
         disk_mb: int | None = None,
-        ttl_s: float | None = None,
-        idle_timeout_s: float | None = None,
+        ttl_s: float | None | Unset = UNSET,
+        idle_timeout_s: float | None | Unset = UNSET,
         on_timeout: str = "kill",
         env: dict[str, str] | None = None,
         workdir: str | None = None,

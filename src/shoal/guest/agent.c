@@ -511,7 +511,8 @@ static pid_t agent_fork(int kind) {
 }
 
 struct proc {
-    pid_t pid, ppid, top; /* top: the ancestor whose parent is main (0: not below main) */
+    pid_t pid, ppid, top; /* top: the ancestor whose parent is main (0: not below main, or unknown yet) */
+    int broken;           /* its ancestry runs into a parent gone from /proc: being reparented right now */
     char state;
     int kind; /* slot kind: an agent process if nonzero (or pid == main) */
 };
@@ -561,7 +562,7 @@ static struct proc *scan_procs(size_t *count) {
             ps = np;
             cap *= 2;
         }
-        ps[n++] = (struct proc){(pid_t)pid, (pid_t)ppid, 0, state, 0};
+        ps[n++] = (struct proc){(pid_t)pid, (pid_t)ppid, 0, 0, state, 0};
     }
     closedir(d);
     if (!ps)
@@ -576,7 +577,10 @@ static struct proc *scan_procs(size_t *count) {
                 ps[i].top = p->pid;
                 break;
             }
-            p = p->ppid > 0 ? find_proc(ps, n, p->ppid) : NULL;
+            struct proc *up = p->ppid > 0 ? find_proc(ps, n, p->ppid) : NULL;
+            if (!up && p->ppid > 0)
+                ps[i].broken = 1; /* its parent exited after the listing began: ask again next round */
+            p = up;
         }
     }
     *count = n;
@@ -600,8 +604,10 @@ static uint32_t kill_user_procs(pid_t exec, uint32_t *left) {
     for (int round = 0; round < 1000; round++) {
         size_t n;
         struct proc *ps = scan_procs(&n);
-        uint32_t hit = 0;
+        uint32_t hit = 0, unsure = 0;
         for (size_t i = 0; ps && i < n; i++) {
+            if (ps[i].broken && ps[i].kind == 0 && ps[i].state != 'Z')
+                unsure++;
             if (!is_user_proc(&ps[i], exec) || kill(ps[i].pid, SIGKILL) != 0)
                 continue;
             hit++;
@@ -622,7 +628,7 @@ static uint32_t kill_user_procs(pid_t exec, uint32_t *left) {
         }
         free(ps);
         *left = hit;
-        if (hit == 0)
+        if (hit == 0 && (unsure == 0 || round > 900))
             break;
         if (round > 0)
             usleep(round < 10 ? 200 : 2000);
