@@ -130,7 +130,7 @@ def test_killing_the_agents_helpers_from_inside_loses_nothing(client: shoal.Clie
         assert sleeper["ppid"] == left.exec_id  # its keeper: the exec's handler, whose pid names the exec
         sb.exec(f"kill -9 {left.exec_id}")
         assert [(p["command"], p["exec_id"]) for p in sb.processes()] == [("sleep 107", None)]
-        sb.exec("kill -9 -1")  # everything root may signal here: the reserve too (the agent is PID 1)
+        sb.exec("sleep 0.5; kill -9 -1")  # all root may signal here, the reserve too (the agent is PID 1)
         assert sb.exec("echo next").stdout == "next\n"  # its connection makes the agent fork a new reserve
         assert sb.exec(BOMB, timeout=60).stdout == "started\n"
         deadline = time.monotonic() + 60
