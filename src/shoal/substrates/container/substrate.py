@@ -113,7 +113,8 @@ class ContainerSubstrate(Substrate):
         except BaseException:
             try:
                 with contextlib.suppress(OSError, ValueError):  # `run -d` finished: kill its init directly,
-                    instance.extra.setdefault("pid", int((directory / "pid").read_text()))  # as close does
+                    if instance.pid is None:  # as close does
+                        instance.pid = int((directory / "pid").read_text())
                 await asyncio.shield(self.destroy(instance))
             except Exception as exc:  # say why the cleanup failed; the create's own error is what it raises
                 log.warning("could not clean up after the failed create of %s: %r", sandbox_id, exc)
