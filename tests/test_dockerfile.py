@@ -116,8 +116,12 @@ def test_copy_flags_and_clear_errors(tmp_path: Path) -> None:
     with tarfile.open(fileobj=io.BytesIO(image.steps[0]["tar"])) as archive:
         (member,) = archive.getmembers()
     assert member.name == "opt/run.sh" and member.mode == 0o755
-    with pytest.raises(shoal.InvalidRequestError, match="line 2: COPY --from=build needs a multi-stage"):
-        _plan(tmp_path, "FROM debian\nCOPY --from=build /out /out\n")
+    staged = _plan(
+        tmp_path, "FROM debian AS build\nRUN make\nFROM build\nRUN test\nFROM alpine\nCOPY --from=build /o /p\n"
+    )
+    (copy,) = staged.steps
+    assert copy["op"] == "copy_from" and copy["stage"].steps[0]["cmd"] == "make" and copy["dest"] == "/p"
+    assert _plan(tmp_path, "FROM debian AS build\nRUN make\nFROM build\nRUN test\n").steps[1]["cmd"] == "test"
     with pytest.raises(shoal.InvalidRequestError, match="heredoc <<EOF is never closed"):
         _plan(tmp_path, "FROM debian\nRUN <<EOF\necho\n")
     with pytest.raises(shoal.InvalidRequestError, match="SHELL takes a JSON list"):

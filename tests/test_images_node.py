@@ -126,9 +126,31 @@ def test_dockerfile_subset(client: shoal.Client, tmp_path: Path) -> None:
         assert sb.exec("cat out.txt; sh src/app.sh; cat /tmp/uid").stdout == "hello world\napp\n1234\n"
         assert sb.exec("stat -c %u:%g /home/runner/app.sh").stdout == "1234:1234\n"
     bad = tmp_path / "Bad"
-    bad.write_text("FROM busybox\nFROM busybox\n")
-    with pytest.raises(shoal.InvalidRequestError, match="multi-stage"):
-        shoal.Image.from_dockerfile(bad)
+    bad.write_text("FROM busybox\nCOPY --from=busybox /nowhere /x\n")
+    with pytest.raises(shoal.InvalidRequestError, match="/nowhere does not exist in the stage"):
+        client.build_image(_unique("df"), shoal.Image.from_dockerfile(bad))
+
+
+def test_multi_stage_copy_from(client: shoal.Client, tmp_path: Path) -> None:
+    """COPY --from a stage by name and by index, FROM an earlier stage; the stage images are not kept."""
+    (tmp_path / "Dockerfile").write_text(
+        "FROM busybox AS build\n"
+        "WORKDIR /src\n"
+        "RUN mkdir -p out/sub && echo built > out/a && echo deep > out/sub/b && ln -s a out/link\n"
+        "FROM build AS more\n"
+        "RUN echo more > /src/out/c\n"
+        "FROM busybox\n"
+        "COPY --from=build /src/out /app/\n"
+        "COPY --from=1 /src/out/c /app/c2\n"
+        "COPY --from=0 --chown=1234:1234 /src/out/a /single/\n"
+    )
+    before = set(client.images())
+    name = _unique("ms")
+    client.build_image(name, shoal.Image.from_dockerfile(tmp_path / "Dockerfile"))
+    assert set(client.images()) - before == {name}
+    with client.create("container", image=name, pool=False) as sb:
+        out = sb.exec("cat /app/a /app/sub/b /app/link /app/c2 /single/a; ls /app; stat -c %u /single/a").stdout
+        assert out == "built\ndeep\nbuilt\nmore\nbuilt\na\nc2\nlink\nsub\n1234\n"
 
 
 def test_dockerfile_as_the_ecosystem_writes_it(client: shoal.Client, tmp_path: Path) -> None:

@@ -16,12 +16,13 @@ from typing import Any
 from shoal import ops, protocol, settings, tls
 from shoal.client import functions, localfs, tartree
 from shoal.client.gui import AsyncGui
-from shoal.client.image import ImageBuilder
+from shoal.client.image import ImageBuilder, placed
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.client.transport import Connection
 from shoal.config import Paths, settings_env
 from shoal.errors import (
     DivergenceError,
+    InvalidRequestError,
     NodeError,
     NodeSettingsWarning,
     SandboxLostError,
@@ -427,10 +428,40 @@ class AsyncClient:
         `on_step({"step", "op", "cached", "layer"})` is called as each step completes."""
         if image is None:
             return await self.call("image_build", {"name": name, "force": force})
-        args = {"name": name, "base": image.base, "steps": list(image.steps), "no_cache": no_cache or force}
+        steps = [
+            await self._materialise(name, step, network) if step["op"] == "copy_from" else step for step in image.steps
+        ]
+        args = {"name": name, "base": image.base, "steps": steps, "no_cache": no_cache or force}
         if network is not None:
             args["network"] = network
         return await self.call("image_build", args, on_event=on_step)
+
+    async def _materialise(self, name: str, step: dict[str, Any], network: Any) -> dict[str, Any]:
+        """A `copy_from` step as the COPY layer it means: build the stage (a temporary image, removed after),
+        tar `src` in a sandbox of it, and re-root the files at `dest`."""
+        stage: ImageBuilder = step["stage"]
+        built = stage.base
+        if stage.steps:
+            built = f"{name}.stage-{os.getpid()}-{id(step)}"
+            await self.build_image(built, stage, network=network)
+        try:
+            async with await self.create("container", image=built, pool=False, ttl_s=600, user="0") as sandbox:
+                source = "/" + str(step["src"]).strip("/")
+                entry = await sandbox.files.stat(source)
+                if entry is None:
+                    raise InvalidRequestError(f"COPY --from: {source} does not exist in the stage ({built})")
+                directory = entry.kind == "dir"
+                where, what = (source, ".") if directory else source.rsplit("/", 1)
+                tar = "/tmp/.shoal-copy-from.tar"
+                result = await sandbox.exec(["tar", "-C", where or "/", "-cf", tar, what])
+                if result.exit_code != 0:
+                    raise InvalidRequestError(f"COPY --from: tar of {source} in the stage failed: {result.stderr}")
+                data = await sandbox.files.read(tar)
+        finally:
+            if built != stage.base:
+                await self.image_rm(built)
+        tar_bytes = placed(data, step["dest"], directory=directory, owner=tuple(step["owner"]))
+        return {"op": "copy", "dest": step["dest"], "tar": tar_bytes}
 
     async def images(self) -> list[str]:
         """Names of the images the node can use (present, or builtin and built on first use)."""

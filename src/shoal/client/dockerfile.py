@@ -1,6 +1,7 @@
 """A Dockerfile → `ImageBuilder`: FROM, RUN, COPY, ADD, ENV, ARG, WORKDIR, USER, SHELL, CMD, ENTRYPOINT, LABEL.
 
-Single stage only (a second FROM or `COPY --from` is an error naming the line). Variables follow Docker:
+Multi-stage: `FROM <stage>` continues an earlier stage, `COPY --from=<stage name, index or image>` becomes
+an `ImageBuilder.copy_from` step (the client builds that stage when it builds this one). Variables follow Docker:
 ARG (also before FROM) and ENV values are expanded (`$NAME`, `${NAME}`, `${NAME:-default}`) in FROM, ENV,
 COPY/ADD, WORKDIR, USER and LABEL; ARG values also in RUN. A reference the file does not define (the base
 image's `$PATH`) is kept and expanded by the node against the image's environment (shoal.shellvars).
@@ -113,6 +114,9 @@ def parse(text: str, context: Path, from_: Callable[[str], Any]) -> Any:
     """Parse a Dockerfile into the builder `from_(base)` starts (ImageBuilder.from_, which imports this module);
     COPY/ADD sources are read from `context` now."""
     builder: Any = None
+    stages: dict[str, Any] = {}  # name (and index) -> the stage's builder, for FROM <stage> and COPY --from
+    stage_names: list[str] = []  # the current stage's index and name
+    index = -1
     args: dict[str, str] = {}
     env: dict[str, str] = {}
     deferred: set[str] = set()  # ENV names whose value only the node knows (it refers to the base image's env)
@@ -130,8 +134,9 @@ def parse(text: str, context: Path, from_: Callable[[str], Any]) -> Any:
                     args.setdefault(name, "")
             continue
         if keyword == "FROM":
-            if builder is not None:
-                raise InvalidRequestError(f"line {number}: multi-stage builds (a second FROM) are not supported")
+            if builder is not None:  # a new stage: the previous one is only reachable by name or index
+                stages.update(dict.fromkeys(stage_names, builder))
+                env, deferred, shell = {}, set(), None
             words = shellvars.expand(value, known).split()
             for flag in [w for w in words if w.startswith("--")]:
                 name, _, wanted = flag.partition("=")
@@ -141,7 +146,10 @@ def parse(text: str, context: Path, from_: Callable[[str], Any]) -> Any:
             image = [w for w in words if not w.startswith("--")]
             if not image or (len(image) > 1 and not (len(image) == 3 and image[1].upper() == "AS")):
                 raise InvalidRequestError(f"line {number}: FROM expects `[--platform=P] IMAGE [AS NAME]`")
-            builder = from_(image[0])
+            builder = stages[image[0]] if image[0] in stages else from_(image[0])
+            index += 1
+            stage_names = [str(index)]
+            stage_names += [image[2].lower()] if len(image) == 3 else []
             continue
         if builder is None:
             raise InvalidRequestError(f"line {number}: {keyword} before FROM")
@@ -157,7 +165,7 @@ def parse(text: str, context: Path, from_: Callable[[str], Any]) -> Any:
                 command = [*shell, command]
             builder = builder.run(command)
         elif keyword in ("COPY", "ADD"):
-            builder = _copy(builder, keyword, shellvars.expand(value, known), docs, number, context)
+            builder = _copy(builder, keyword, shellvars.expand(value, known), docs, number, context, stages, from_)
         elif keyword == "ENV":
             pairs, unresolved = _pairs(value, number, keyword, known)
             for key, item in pairs.items():  # a later `$KEY` must see the node's value, not this text
@@ -193,27 +201,41 @@ def parse(text: str, context: Path, from_: Callable[[str], Any]) -> Any:
     return builder
 
 
-def _copy(builder: Any, keyword: str, value: str, docs: list[tuple[str, str]], number: int, context: Path) -> Any:
+def _copy(
+    builder: Any,
+    keyword: str,
+    value: str,
+    docs: list[tuple[str, str]],
+    number: int,
+    context: Path,
+    stages: dict[str, Any],
+    from_: Callable[[str], Any],
+) -> Any:
     words = shlex.split(value)
     flags = [w for w in words if w.startswith("--")]
-    owner, mode = None, None
+    owner, mode, stage = None, None, None
     for flag in flags:
         name, _, arg = flag.partition("=")
         if name == "--chown":
             owner = arg
         elif name == "--chmod" and re.fullmatch(r"[0-7]{3,4}", arg):
             mode = int(arg, 8)
-        elif name == "--from":
-            raise InvalidRequestError(
-                f"line {number}: {keyword} --from={arg} needs a multi-stage build, which is not supported; "
-                "build that stage as its own image and compose it (client.create(..., image=[base, extra]))"
-            )
+        elif name == "--from" and keyword == "COPY":
+            stage = stages.get(arg.lower()) or from_(arg)  # a stage by name or index, else an image
         elif name != "--link":
             raise InvalidRequestError(f"line {number}: {keyword} flag {name} is not supported")
     paths = [w for w in words if not w.startswith("--")]
     if len(paths) < 2:
         raise InvalidRequestError(f"line {number}: {keyword} needs a source and a destination")
     *sources, dest = paths
+    if stage is not None:
+        if mode is not None:
+            raise InvalidRequestError(f"line {number}: COPY --from with --chmod is not supported")
+        if len(sources) > 1 and not dest.endswith("/"):
+            dest += "/"
+        for source in sources:
+            builder = builder.copy_from(stage, source, dest, owner=owner)
+        return builder
     inline = dict(docs)
     for source in sources:
         if source in inline:  # `COPY <<EOF /path`: the heredoc is the file

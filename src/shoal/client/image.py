@@ -77,6 +77,14 @@ class ImageBuilder:
             return self._with({"op": "copy", "dest": dest, "tar": _retarget(path, dest)})
         return self.copy(path, dest)
 
+    def copy_from(self, stage: ImageBuilder | str, source: str, dest: str, *, owner: str | None = None) -> ImageBuilder:
+        """Copy `source` out of another image (a builder: built first, as a multi-stage build's stage) to
+        `dest`. Resolved by `client.build_image`, which builds the stage, reads `source` from a sandbox of
+        it, and sends the files as a COPY layer (a directory's contents go below `dest`, as in Docker)."""
+        stage = stage if isinstance(stage, ImageBuilder) else ImageBuilder(stage)
+        _clean_dest(dest)
+        return self._with({"op": "copy_from", "stage": stage, "src": source, "dest": dest, "owner": _owner(owner)})
+
     def env(self, values: dict[str, str] | None = None, *, expand: bool = False, **more: str) -> ImageBuilder:
         """Set environment variables. With `expand`, the node replaces `$NAME` references in the values
         with the image's environment so far (what `ENV PATH $PATH:/x` needs: the base image's PATH)."""
@@ -150,5 +158,28 @@ def _retarget(archive_path: Path, dest: str) -> bytes:
             member.name = f"{base}/{name}" if name else base
             if member.islnk():
                 member.linkname = f"{base}/{member.linkname.removeprefix('./')}"
+            out.addfile(member, source.extractfile(member) if member.isreg() else None)
+    return buffer.getvalue()
+
+
+def placed(archive: bytes, dest: str, *, directory: bool, owner: tuple[int, int]) -> bytes:
+    """Re-root a tar read out of a stage (members relative to the copied directory, or one file) at `dest`,
+    owned by `owner`: the layer a `COPY --from` adds."""
+    base = _clean_dest(dest)
+    buffer = io.BytesIO()
+    with (
+        tarfile.open(fileobj=io.BytesIO(archive)) as source,
+        tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as out,
+    ):
+        for member in source:
+            name = member.name.removeprefix("./").strip("/")
+            if directory:
+                member.name = f"{base}/{name}" if name else base
+            else:
+                member.name = f"{base}/{name}" if dest.endswith("/") else base
+            if member.islnk():
+                member.linkname = f"{base}/{member.linkname.removeprefix('./')}" if directory else member.name
+            member.uid, member.gid = owner
+            member.uname = member.gname = ""
             out.addfile(member, source.extractfile(member) if member.isreg() else None)
     return buffer.getvalue()
