@@ -286,11 +286,13 @@ class NodeService:
                 )
             return await self.functions.create(spec)
         if spec.trajectory:
+            # Asked before the log: while a create is in flight its log row already says live but the sandbox
+            # is not in the table yet, which _find_trajectory would call an ended trajectory.
+            if spec.trajectory in self._naming:  # the same trajectory is being created: share it
+                return await asyncio.shield(self._naming[spec.trajectory])
             existing = self._find_trajectory(spec.trajectory)
             if existing is not None:  # a restarted trainer re-creating its sandbox: attach to it
                 return existing.info()
-            if spec.trajectory in self._naming:  # the same trajectory is being created: share it
-                return await asyncio.shield(self._naming[spec.trajectory])
             self._naming[spec.trajectory] = made = asyncio.get_running_loop().create_future()
             try:
                 info = await self._create(spec)
@@ -358,6 +360,8 @@ class NodeService:
         """A sandbox by ID or by trajectory name (the client then re-issues steps from seq 0)."""
         if target in self.sandboxes:
             return self._get(target).info()
+        if target in self._naming:  # its create is in flight: the sandbox it makes
+            return await asyncio.shield(self._naming[target])
         sandbox = self._find_trajectory(target)
         if sandbox is None:
             self._get(target)  # raises the precise error
