@@ -9,6 +9,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -125,6 +126,28 @@ def test_short_names_resolve_on_the_default_registry_like_docker(
     assert registry.pull(target, f"{reg.host}/team/app:latest", "full")["digest"] == pushed["digest"]
     monkeypatch.setenv("SHOAL_DEFAULT_REGISTRY", "127.0.0.1:1")  # nothing listens: an explicit host is kept
     assert registry.pull(target, f"{reg.host}/team/app", "explicit")["skipped"] == 3
+
+
+def test_layers_download_side_by_side(reg: Registry, source: ImageStore, tmp_path: Path) -> None:
+    """The first blob's download waits (in its progress callback) until another blob's has started: a
+    pull that fetched one blob at a time would wait the whole deadline and fail here."""
+    registry.push(source, "app", f"{reg.host}/par/app:v1")
+    seen: set[str] = set()
+    together = threading.Event()
+    met: list[bool] = []
+    lock = threading.Lock()
+
+    def progress(digest: str, done: int, total: int) -> None:
+        with lock:
+            seen.add(digest)
+            first = len(seen) == 1
+            if len(seen) >= 2:
+                together.set()
+        if first:
+            met.append(together.wait(timeout=60))
+
+    pulled = registry.pull(ImageStore(tmp_path / "dst"), f"{reg.host}/par/app:v1", progress=progress)
+    assert met == [True] and pulled["fetched"] == 3 and len(seen) == 3
 
 
 def test_index_platform_selection(reg: Registry, source: ImageStore, tmp_path: Path) -> None:

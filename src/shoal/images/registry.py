@@ -10,6 +10,7 @@ download keeps its bytes under `partial/` and the next pull resumes it with a Ra
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import fcntl
 import hashlib
 import http.client
@@ -33,6 +34,7 @@ ACCEPT = ", ".join([layout.INDEX, layout.MANIFEST, layout.DOCKER_INDEX, layout.D
 Progress = Callable[[str, int, int], None]  # (what, done bytes, total bytes)
 _CHUNK = 1 << 20
 _RETRIES = 3
+_PARALLEL = 4  # layer downloads at once (Docker's default is 3; registries allow more)
 
 
 @dataclass(frozen=True)
@@ -308,14 +310,23 @@ def _pull(
     if len(diff_ids) != len(layers):
         raise ImageError(f"{ref}: the manifest has {len(layers)} layers, its config {len(diff_ids)} diff_ids")
     fetched, skipped = 0, 0
-    for layer, diff_id in zip(layers, diff_ids, strict=True):
-        if store.has_layer(diff_id):
-            skipped += 1
-            continue
-        if not store.has_blob(layer["digest"]):
-            client.fetch_blob(store, layer["digest"], layer.get("size"), progress)
-            fetched += 1
-        store.add_layer_blob(layer["digest"], layer.get("mediaType", LAYER_GZIP), expect_diff_id=diff_id)
+    unique = dict(zip(diff_ids, layers, strict=True))  # a layer listed twice is fetched and unpacked once
+    wanted = [(layer, d) for d, layer in unique.items() if not store.has_layer(d)]
+    skipped = len(layers) - len(wanted)
+    # Downloads run side by side (each blob has its own lock and partial file); layers are unpacked in
+    # order as their blobs arrive, overlapping the downloads still running. A failure waits for the others,
+    # whose finished blobs and partial files stay for the next pull.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_PARALLEL, thread_name_prefix="pull") as pool:
+        downloads = {
+            layer["digest"]: pool.submit(client.fetch_blob, store, layer["digest"], layer.get("size"), progress)
+            for layer, _ in wanted
+            if not store.has_blob(layer["digest"])
+        }
+        for layer, diff_id in wanted:
+            if layer["digest"] in downloads:
+                downloads[layer["digest"]].result()
+                fetched += 1
+            store.add_layer_blob(layer["digest"], layer.get("mediaType", LAYER_GZIP), expect_diff_id=diff_id)
     local = name or reference
     store.commit(local, list(diff_ids), ImageConfig.from_oci(config.get("config") or {}), oci_config=config)
     return {"name": local, "digest": digest, "layers": list(diff_ids), "fetched": fetched, "skipped": skipped}
