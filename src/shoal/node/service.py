@@ -624,16 +624,27 @@ class NodeService:
         was_paused = sandbox.state is State.PAUSED
         sandbox.state = State.CLOSED
         self.lifecycle.forget(sandbox_id)
+        # Out of the table from here: the rest runs as a task the node's settle waits for, so a cancelled
+        # caller (the reaper at shutdown, a client gone mid-close) cannot leave it half closed and unseen.
+        task = asyncio.ensure_future(self._close_popped(sandbox, was_paused, reason))
+        self._destroying.add(task)
+        task.add_done_callback(self._destroying.discard)
+        await asyncio.shield(task)
+
+    async def _close_popped(self, sandbox: Sandbox, was_paused: bool, reason: str) -> None:
         if was_paused:  # a frozen cgroup cannot be killed on cgroup v1: thaw it first
             try:
                 await self.substrates[sandbox.spec.kind].resume(sandbox.instance)
             except Exception as exc:
-                log.warning("could not thaw %s before closing it: %s", sandbox_id, exc)
-        for shell in [s for s in self.shells.values() if s.sandbox_id == sandbox_id]:
+                log.warning("could not thaw %s before closing it: %s", sandbox.id, exc)
+        for shell in [s for s in self.shells.values() if s.sandbox_id == sandbox.id]:
             self.shells.pop(shell.id, None)
-            await shell.close()
-        await asyncio.shield(self.destroy_sandbox(sandbox))
-        await self.trajectory.close_sandbox(sandbox_id, "closed", reason)
+            try:
+                await shell.close()
+            except Exception as exc:  # the destroy below ends it anyway
+                log.warning("could not close shell %s of %s: %s", shell.id, sandbox.id, exc)
+        await self._destroy_now(sandbox)
+        await self.trajectory.close_sandbox(sandbox.id, "closed", reason)
 
     @property
     def creating(self) -> int:
