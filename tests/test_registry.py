@@ -343,6 +343,16 @@ def test_token_auth(tmp_path: Path, source: ImageStore) -> None:
         target = ImageStore(tmp_path / "dst")
         assert registry.pull(target, ref, auth="tester:s3cret")["fetched"] == 3
         assert tokens.issued >= 2
+        # what `docker login` writes, read when no credentials are given
+        login = tmp_path / "docker-config.json"
+        entry = base64.b64encode(b"tester:s3cret").decode()
+        login.write_text(json.dumps({"auths": {f"http://{server.host}/v2/": {"auth": entry}}}))
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("SHOAL_REGISTRY_CREDENTIALS", str(login))
+            assert registry.pull(ImageStore(tmp_path / "dst2"), ref)["fetched"] == 3
+            login.write_text("{not json")
+            with pytest.raises(ImageError, match="credentials file .* is unreadable"):
+                registry.pull(ImageStore(tmp_path / "dst3"), ref)
     finally:
         server.stop()
         tokens.stop()

@@ -236,6 +236,11 @@ DEFAULT_REGISTRY: Setting[str] = _declare(
     "`library/python:3.11` there, `user/repo` is `user/repo` there).",
     fallback="none: references must name their registry",
 )  # fmt: skip
+REGISTRY_CREDENTIALS: Setting[Path] = _declare(
+    "SHOAL_REGISTRY_CREDENTIALS", Path, None, IMAGES,
+    "Docker-format credentials file (`auths` by registry host) the node reads when a pull or push gives none.",
+    fallback="$DOCKER_CONFIG/config.json, else ~/.docker/config.json of the node's user",
+)  # fmt: skip
 REGISTRY_AUTH: Setting[str] = _declare(
     "SHOAL_REGISTRY_AUTH", str, None, IMAGES, "Registry credentials `user:password`.", secret=True
 )

@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import http.client
 import json
+import os
 import re
 import time
 import urllib.error
@@ -75,6 +76,32 @@ class Reference:
         return f"{self.host}/{self.repository}" + (f"@{self.digest}" if self.digest else f":{self.tag}")
 
 
+def stored_credentials(host: str) -> str | None:
+    """`user:password` for `host` from a Docker-format credentials file (what `docker login` writes), or None.
+    Credential helpers (`credsStore`) are not run: only inline `auths` entries are read."""
+    path = settings.REGISTRY_CREDENTIALS.get()
+    if path is None:
+        folder = os.environ.get("DOCKER_CONFIG")
+        path = Path(folder) / "config.json" if folder else Path.home() / ".docker" / "config.json"
+    try:
+        auths = json.loads(path.read_text()).get("auths") or {}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ImageError(f"registry credentials file {path} is unreadable ({exc}); fix it or unset it") from exc
+    for key, entry in auths.items():
+        if key.split("://", 1)[-1].split("/", 1)[0] != host or not isinstance(entry, dict):
+            continue
+        if entry.get("auth"):
+            try:
+                return base64.b64decode(entry["auth"]).decode()
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ImageError(f"{path}: the `auth` of {key} is not base64 of user:password") from exc
+        if entry.get("username") and entry.get("password"):
+            return f"{entry['username']}:{entry['password']}"
+    return None
+
+
 class RegistryClient:
     """One registry, one repository; keeps the bearer token it was given."""
 
@@ -84,7 +111,7 @@ class RegistryClient:
         hostname = ref.host.rpartition(":")[0] if ":" in ref.host else ref.host
         plain = hostname in ("localhost", "127.0.0.1", "::1", "[::1]") or ref.host in insecure
         self.base = f"{'http' if plain else 'https'}://{ref.host}"
-        self.auth = auth or settings.REGISTRY_AUTH.get()
+        self.auth = auth or settings.REGISTRY_AUTH.get() or stored_credentials(ref.host)
         self.scope = f"repository:{ref.repository}:{'pull,push' if push else 'pull'}"
         self.timeout = timeout
         self._authorization: str | None = None
