@@ -270,7 +270,7 @@ def test_one_place_decides_memory_per_kind(monkeypatch: pytest.MonkeyPatch) -> N
         ({"memory_mb": 4}, "memory_mb=4: a container needs at least 8 MB"),
         ({"kind": "microvm", "memory_mb": 32}, "memory_mb=32: a microvm needs at least 64 MB"),
         ({"memory_mb": 10_000}, "exceeds this node's 8000 MB"),
-        ({"pids": 1}, "pids=1: a sandbox needs at least 2"),
+        ({"pids": 3}, "pids=3: a sandbox needs at least 4"),
         ({"disk_mb": 1}, "disk_mb=1 is below the minimum of 4 MB"),
     ],
 )
@@ -279,4 +279,4 @@ def test_resource_arguments_are_checked_with_the_bound_named(fields: dict, messa
 
     with pytest.raises(InvalidRequestError, match=message):
         resources.check(SandboxSpec(**fields), cores=2, total_mb=8000)
-    resources.check(SandboxSpec(cpu=2, memory_mb=8000, pids=2, disk_mb=4), cores=2, total_mb=8000)
+    resources.check(SandboxSpec(cpu=2, memory_mb=8000, pids=4, disk_mb=4), cores=2, total_mb=8000)
