@@ -733,8 +733,7 @@ async def serve(
         await stop.wait()
     finally:
         server.close()
-        for closer in closers:
-            await closer()
+        await asyncio.gather(*(closer() for closer in closers))  # each waits its in-flight requests' grace
         await gateway.close()
 
 

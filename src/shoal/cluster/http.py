@@ -34,6 +34,8 @@ from shoal.errors import (
 )
 from shoal.netguard import serve_tcp
 
+SHUTDOWN_GRACE_S = 5.0  # at a stop, how long requests still in flight may run on
+
 log = logging.getLogger("shoal.http")
 
 _STATUS = [
@@ -58,7 +60,9 @@ async def _start(app: web.Application, where: str, addr_file: Any = None) -> Cal
     Connections come through shoal.netguard (per-peer caps, EMFILE back-off); one that has not sent a
     request within the auth timeout is closed, and aiohttp closes idle keep-alive ones."""
     host, port = parse_hostport(where)
-    runner = web.AppRunner(app, access_log=None, keepalive_timeout=30)
+    # shutdown_timeout: requests in flight at a SIGTERM get this long, not aiohttp's 60 s (a client that
+    # never finishes its body held a stopping gateway that long)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=30, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     listener = await serve_tcp(None, host, port, name="http", protocol_factory=runner.server, ssl=tls.server_context())
     if addr_file is not None:

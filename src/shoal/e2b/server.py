@@ -31,6 +31,8 @@ from shoal.e2b.backend import Backend, Target
 from shoal.e2b.envd import FilesystemService, Processes, ProcessService
 from shoal.errors import InvalidRequestError, NotFoundError
 
+SHUTDOWN_GRACE_S = 5.0  # at a stop, how long requests still in flight may run on
+
 
 def _envd_caller(request: web.Request) -> tuple[str | None, str]:
     sandbox_id = request.headers.get("E2b-Sandbox-Id")
@@ -141,7 +143,9 @@ async def start(target: Target, listen: str, addr_file: Any = None) -> Callable[
     """Serve on `listen` (port 0: any free one); write the bound host:port to `addr_file`; returns the closer.
     Also used by a node (SHOAL_E2B) or a gateway (`--e2b`) to serve E2B's API in its own process."""
     host, port = parse_hostport(listen)
-    runner = web.AppRunner(E2BServer(target).app(), access_log=None)
+    # shutdown_timeout: a request still in flight (a body never finished, a long stream) gets this long at a
+    # SIGTERM, not aiohttp's 60 s, so a stopping gateway or node exits promptly
+    runner = web.AppRunner(E2BServer(target).app(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
