@@ -170,7 +170,7 @@ def test_admission_deadline_and_node_rejection_retry(cluster: LocalCluster, bob:
             t = time.monotonic()
             with pytest.raises(shoal.CapacityError, match="admission deadline"):
                 c.create(image="busybox", pool=False)
-            assert 1.4 < time.monotonic() - t < 10
+            assert 1.4 < time.monotonic() - t < 60  # its 1.5 s deadline, not the default 600 s (a loaded host is slow)
         assert len(filled) == 4
     finally:
         gw.stop()

@@ -304,7 +304,7 @@ async def test_background_job_survives_and_does_not_block(agent: Agent) -> None:
         elapsed = time.monotonic() - start
         assert out == b"done\n"
         assert info.exit_code == 0
-        assert elapsed < 1.0
+        assert elapsed < 10.0  # not held until the 30 s job ends (a loaded host can take seconds)
         await asyncio.sleep(0.1)
         assert len(procs_with_arg(arg)) == 1, "background job should survive"
     finally:
