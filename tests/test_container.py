@@ -183,19 +183,19 @@ def test_output_cap_keeps_the_end(client: shoal.Client, tiny: shoal.Sandbox) -> 
 def test_timeout_kills_tree_and_keeps_output(tiny: shoal.Sandbox) -> None:
     start = time.monotonic()
     r = tiny.exec("echo before; (setsid sleep 301 &); sleep 302", timeout=1)
-    assert r.timed_out and r.stdout == "before\n" and time.monotonic() - start < 5
+    assert r.timed_out and r.stdout == "before\n" and time.monotonic() - start < 30  # not the 302 s sleep
     assert "sleep 30" not in tiny.exec("ps").stdout
 
 
 def test_idle_timeout(tiny: shoal.Sandbox) -> None:
     r = tiny.exec("for i in 1 2 3; do echo $i; sleep 0.1; done; sleep 300", timeout=30, idle_timeout=1)
-    assert r.timed_out and r.stdout == "1\n2\n3\n" and r.duration_s < 5
+    assert r.timed_out and r.stdout == "1\n2\n3\n" and r.duration_s < 25  # idle 1 s, not the 30 s timeout
 
 
 def test_background_job_survives_exec(tiny: shoal.Sandbox) -> None:
     start = time.monotonic()
     assert tiny.exec("sleep 303 & echo started").stdout == "started\n"
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 30  # not held by the 303 s job (a loaded host is slow)
     assert "sleep 303" in tiny.exec("ps").stdout
 
 
