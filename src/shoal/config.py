@@ -142,3 +142,12 @@ def parse_hostport(text: str, default_host: str = "0.0.0.0") -> tuple[str, int]:
         return host or default_host, int(port)
     except ValueError:
         raise ValueError(f"{text!r} is not host:port (e.g. 0.0.0.0:7400, or :0 for any free port)") from None
+
+
+def write_address(path: Path | str, host: str, port: int) -> None:
+    """Publish a bound `host:port` in `path` by rename: supervisors (the Ray node agent, tests) poll for the file
+    and read it as soon as it exists, so it must never be seen empty or half written."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{host}:{port}\n")
+    os.replace(tmp, path)

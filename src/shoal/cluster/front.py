@@ -18,7 +18,7 @@ from typing import Any
 from shoal import tls
 from shoal.cluster.auth import Identity, Tokens
 from shoal.cluster.tenancy import Tenancy
-from shoal.config import parse_hostport
+from shoal.config import parse_hostport, write_address
 from shoal.errors import AuthenticationError
 from shoal.netguard import ConnectionGuard, Listener, serve_tcp
 from shoal.node.server import NodeServer
@@ -75,7 +75,7 @@ async def listen(server: NodeServer, tokens: Tokens, where: str, home: Path) -> 
 
     tcp = await serve_tcp(handle, host, port, name="node tcp", ssl=tls.server_context())
     bound = tcp.sockets[0].getsockname()
-    (home / "node.addr").write_text(f"{bound[0]}:{bound[1]}\n")
+    write_address(home / "node.addr", bound[0], bound[1])
     log.info("node protocol on tcp %s:%d (token required%s)", bound[0], bound[1], ", TLS" if tcp.ssl else "")
     return tcp
 

@@ -114,6 +114,9 @@ class Gateway:
                 self._forget(node_id, self.gone.get(node_id, "it left the cluster"))
         for node_id, address in nodes.items():
             host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():  # one bad entry must not stop the rest of the membership
+                log.warning("node %s pushed with an unusable address %r: left out", node_id, address)
+                continue
             view = self.nodes.get(node_id)
             if view is not None and (view.host, view.port) == (host, int(port)):
                 continue

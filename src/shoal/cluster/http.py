@@ -19,7 +19,7 @@ from aiohttp import web
 from shoal import ops, settings, tls
 from shoal.cluster import fusion
 from shoal.cluster.metrics import CONTENT_TYPE, node_metrics
-from shoal.config import parse_hostport
+from shoal.config import parse_hostport, write_address
 from shoal.errors import (
     AuthenticationError,
     CapacityError,
@@ -67,7 +67,7 @@ async def _start(app: web.Application, where: str, addr_file: Any = None) -> Cal
     listener = await serve_tcp(None, host, port, name="http", protocol_factory=runner.server, ssl=tls.server_context())
     if addr_file is not None:
         bound = listener.sockets[0].getsockname()
-        Path(addr_file).write_text(f"{bound[0]}:{bound[1]}\n")
+        write_address(addr_file, bound[0], bound[1])
 
     async def close() -> None:
         listener.close()

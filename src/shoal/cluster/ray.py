@@ -66,7 +66,7 @@ class Supervisor:
                 start_new_session=True,  # outlives a kill of the worker process group: it stops itself, cleanly
             )
         deadline = time.monotonic() + timeout
-        while not self.addr_file.exists():
+        while not self._published():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 tail = self.log_path.read_text(errors="replace").splitlines()[-10:]
                 raise NodeError(
@@ -77,6 +77,14 @@ class Supervisor:
         if host in ("0.0.0.0", "::"):
             host = ray.util.get_node_ip_address()
         self.address = f"{host}:{port}"
+
+    def _published(self) -> bool:
+        """The process has written its whole `host:port` (also from a version that wrote the file in place)."""
+        try:
+            host, _, port = self.addr_file.read_text().strip().rpartition(":")
+        except FileNotFoundError:
+            return False
+        return bool(host) and port.isdigit()
 
     def _watch(self) -> None:
         while not self.stopping:
