@@ -33,6 +33,7 @@ from shoal.cluster.admission import AdmissionQueue
 from shoal.cluster.auth import CLUSTER_ROLE, Identity, Tokens, Usage, cost
 from shoal.cluster.metrics import Counter, CounterFn, Gauge, Histogram, Registry
 from shoal.cluster.placement import NodeView
+from shoal.config import write_address
 from shoal.errors import (
     AuthenticationError,
     CapacityError,
@@ -728,9 +729,7 @@ async def serve(
         target = default_target(f"shoal://{bound[0]}:{bound[1]}")
         closers.append(await start(target, e2b, addr_file and addr_file + ".e2b"))
     if addr_file:
-        with open(addr_file + ".tmp", "w") as f:
-            f.write(f"{bound[0]}:{bound[1]}\n")
-        os.replace(addr_file + ".tmp", addr_file)
+        write_address(addr_file, bound[0], bound[1])
     log.info("gateway %s on %s:%d", gateway.name, bound[0], bound[1])
     try:
         await stop.wait()

@@ -16,14 +16,13 @@ import email.message
 import posixpath
 import signal
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from e2b.envd.process.process_connect import ProcessASGIApplication
 
-from shoal.config import parse_hostport
+from shoal.config import parse_hostport, write_address
 from shoal.e2b import interpreter
 from shoal.e2b.api import ControlPlane, api_key, envd_error_response
 from shoal.e2b.asgi import call_asgi
@@ -151,8 +150,7 @@ async def start(target: Target, listen: str, addr_file: Any = None) -> Callable[
     await site.start()
     bound = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
     if addr_file:
-        Path(str(addr_file) + ".tmp").write_text(f"{bound[0]}:{bound[1]}\n")
-        Path(str(addr_file) + ".tmp").rename(addr_file)
+        write_address(addr_file, bound[0], bound[1])
     return runner.cleanup
 
 

@@ -163,6 +163,22 @@ class _Conn:
             await self.writer.wait_closed()
 
 
+async def _send_payload(conn: _Conn, data: bytes | bytearray | memoryview) -> int:
+    """Stream `data` as D frames and a closing C on a W (write) or T (untar) request, take the agent's A answer
+    (a u64 count) and close the connection; the one body of both requests."""
+    try:
+        view = memoryview(data)  # no copy: a large write must not hold its data twice
+        for off in range(0, len(view), _CHUNK):
+            chunk = view[off : off + _CHUNK]
+            conn.writer.write(_HDR.pack(len(chunk) + 1, ord("D")))
+            await conn.send(chunk)
+        await conn.send(_frame(b"C"))
+        _, payload = await conn.expect(b"A")
+        return struct.unpack(">Q", payload)[0]
+    finally:
+        await conn.close()
+
+
 class ExecProcess:
     """A running command: one open connection streaming its output."""
 
@@ -348,34 +364,14 @@ class AgentClient:
         """Write ``data`` to ``path`` (atomically unless appending); return bytes written."""
         flags = (WRITE_MKDIRS if mkdirs else 0) | (WRITE_APPEND if append else 0)
         conn = await self._request(b"W", struct.pack(">IIII", mode, uid, gid, flags) + _cstr(path))
-        try:
-            view = memoryview(data)  # no copy: a large write must not hold its data twice
-            for off in range(0, len(view), _CHUNK):
-                chunk = view[off : off + _CHUNK]
-                conn.writer.write(_HDR.pack(len(chunk) + 1, ord("D")))
-                await conn.send(chunk)
-            await conn.send(_frame(b"C"))
-            _, payload = await conn.expect(b"A")
-            return struct.unpack(">Q", payload)[0]
-        finally:
-            await conn.close()
+        return await _send_payload(conn, data)
 
     async def untar(self, path: str, data: bytes, *, uid: int = 0, gid: int = 0) -> int:
         """Unpack a tar stream (ustar/GNU: files, directories, symlinks) into directory ``path`` (made if
         missing) as ``uid:gid``; returns the entries made. Absolute or '..' member names are refused and no
         link already in the tree is followed (see ``do_untar`` in agent.c)."""
         conn = await self._request(b"T", struct.pack(">II", uid, gid) + _cstr(path))
-        try:
-            view = memoryview(data)  # no copy: a large write must not hold its data twice
-            for off in range(0, len(view), _CHUNK):
-                chunk = view[off : off + _CHUNK]
-                conn.writer.write(_HDR.pack(len(chunk) + 1, ord("D")))
-                await conn.send(chunk)
-            await conn.send(_frame(b"C"))
-            _, payload = await conn.expect(b"A")
-            return struct.unpack(">Q", payload)[0]
-        finally:
-            await conn.close()
+        return await _send_payload(conn, data)
 
     async def list_dir(self, path: str, recursive: bool = False) -> list[FileEntry]:
         """List ``path``; recursive names are relative to it and symlinks are not followed."""
