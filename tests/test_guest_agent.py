@@ -499,3 +499,35 @@ async def test_concurrent_operations(agent: Agent, workdir: str) -> None:
     assert got == list(blobs.values())
     outs = await asyncio.gather(*(run(c, ["echo", str(i)]) for i in range(20)))
     assert [o for o, _, _ in outs] == [f"{i}\n".encode() for i in range(20)]
+
+
+async def test_port_relay(agent: Agent) -> None:
+    """'F' relays raw bytes to a port on the agent's loopback, both ways, with half-close, many at once."""
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        data = await reader.read()  # until the relay passes on the client's half-close
+        writer.write(data[::-1])
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+
+        async def one(payload: bytes) -> bytes:
+            reader, writer = await agent.client.open_port(port)
+            writer.write(payload)
+            writer.write_eof()
+            got = await reader.read()
+            writer.close()
+            return got
+
+        blobs = [os.urandom(n) for n in (1, 70_000, 3 << 20)] + [b"x%d" % i for i in range(20)]
+        assert await asyncio.gather(*(one(b) for b in blobs)) == [b[::-1] for b in blobs]
+    finally:
+        server.close()
+        await server.wait_closed()
+    with pytest.raises(ConnectionRefusedError):
+        await agent.client.open_port(port)  # nothing listens there any more
+    with pytest.raises(ValueError):
+        await agent.client.open_port(70000)

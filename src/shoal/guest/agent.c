@@ -4,7 +4,7 @@
  * It accepts connections on an already-listening AF_UNIX stream socket
  * (fd 3 by default, or `--fd N`) and forks one handler per connection.  Each
  * handler serves exactly one request (exec, file read/write/list/stat/mkdir/
- * remove, hello) and exits.  The main process only accepts and reaps.
+ * remove, hello, a port relay) and exits.  The main process only accepts and reaps.
  *
  * Wire format (both directions): u32 length L (type byte + payload), u8 type,
  * L-1 payload bytes.  All integers are big-endian.  See client.py for the
@@ -39,6 +39,8 @@
 #include <sys/uio.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -2120,6 +2122,103 @@ static int pass_to_reserve(int fd) {
     return sendmsg(reserve_sock[0], &msg, MSG_DONTWAIT | MSG_NOSIGNAL) == 1 ? 0 : -1;
 }
 
+/* ------------------------------------------------------------------------ */
+/* Port relay: 'F' u32 port.  The handler connects to 127.0.0.1:port (then     */
+/* [::1]:port) inside the sandbox, answers 'A' (or 'Z' with the errno) and    */
+/* from then on the connection carries raw bytes both ways until both sides  */
+/* have closed.  The sandbox's network policy is not involved: the bytes go  */
+/* over the agent's own channel (a Unix socket, or the VM's serial mux), so  */
+/* a sandbox with network="none" can serve a port to the node.               */
+
+#define RELAY_BUF (64u << 10)
+
+static void do_forward(const unsigned char *pl, uint32_t plen) {
+    struct cur c = {pl, plen, 0};
+    uint32_t port = get_u32(&c);
+    if (c.bad || port == 0 || port > 65535) {
+        send_err(EINVAL, "forward: malformed request (port 1-65535)");
+        return;
+    }
+    int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in a4 = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a4.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    int err = 0;
+    if (s < 0 || connect(s, (struct sockaddr *)&a4, sizeof(a4)) < 0) {
+        err = errno;
+        if (s >= 0)
+            close(s);
+        s = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        struct sockaddr_in6 a6 = {.sin6_family = AF_INET6, .sin6_port = htons((uint16_t)port)};
+        a6.sin6_addr = in6addr_loopback;
+        if (s < 0 || connect(s, (struct sockaddr *)&a6, sizeof(a6)) < 0) {
+            if (s >= 0)
+                close(s);
+            send_err(err, "nothing accepts connections on port %u in the sandbox: %s", port, strerror(err));
+            return;
+        }
+    }
+    int one = 1;
+    setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    send_ok(NULL, 0);
+    /* bytes the client sent after the request (it should wait for 'A', but may not) go first */
+    unsigned char *buf[2] = {malloc(RELAY_BUF), malloc(RELAY_BUF)};
+    size_t len[2] = {0, 0}, off[2] = {0, 0}; /* [0] client -> port, [1] port -> client */
+    int eof[2] = {0, 0};
+    if (!buf[0] || !buf[1])
+        _exit(1);
+    if (ilen > ipos) {
+        size_t n = ilen - ipos < RELAY_BUF ? ilen - ipos : RELAY_BUF;
+        memcpy(buf[0], ibuf + ipos, n);
+        len[0] = n;
+        ipos += n;
+    }
+    int fds[2] = {conn, s};
+    for (;;) {
+        struct pollfd p[2];
+        for (int d = 0; d < 2; d++) { /* direction d reads fds[d], writes fds[1 - d] */
+            p[d].fd = fds[d];
+            p[d].events = 0;
+        }
+        for (int d = 0; d < 2; d++) {
+            if (!eof[d] && len[d] == 0)
+                p[d].events |= POLLIN;
+            if (len[d] > off[d])
+                p[1 - d].events |= POLLOUT;
+        }
+        if (eof[0] && eof[1] && len[0] == 0 && len[1] == 0)
+            break;
+        if (poll(p, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            break;
+        }
+        for (int d = 0; d < 2; d++) {
+            if (len[d] > off[d] && (p[1 - d].revents & (POLLOUT | POLLERR | POLLHUP))) {
+                ssize_t n = send(fds[1 - d], buf[d] + off[d], len[d] - off[d], MSG_NOSIGNAL | MSG_DONTWAIT);
+                if (n < 0 && errno != EINTR && errno != EAGAIN)
+                    _exit(0); /* the other side is gone */
+                if (n > 0)
+                    off[d] += (size_t)n;
+                if (off[d] == len[d]) {
+                    off[d] = len[d] = 0;
+                    if (eof[d])
+                        shutdown(fds[1 - d], SHUT_WR);
+                }
+            }
+            if (!eof[d] && len[d] == 0 && (p[d].revents & (POLLIN | POLLHUP | POLLERR))) {
+                ssize_t n = recv(fds[d], buf[d], RELAY_BUF, MSG_DONTWAIT);
+                if (n > 0) {
+                    len[d] = (size_t)n;
+                } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+                    eof[d] = 1;
+                    shutdown(fds[1 - d], SHUT_WR);
+                }
+            }
+        }
+    }
+    close(s);
+}
+
 static void handle(int fd) {
     conn = fd;
     prctl(PR_SET_CHILD_SUBREAPER, 1);
@@ -2170,6 +2269,9 @@ static void handle(int fd) {
         break;
     case 'K':
         do_kill_procs(req, n);
+        break;
+    case 'F':
+        do_forward(req, n);
         break;
     default:
         send_err(EINVAL, "unknown request type 0x%02x", (unsigned char)type);

@@ -33,6 +33,7 @@ _ERRNO_CLASSES: dict[int, type[OSError]] = {
     _errno.EACCES: PermissionError,
     _errno.EPERM: PermissionError,
     _errno.EEXIST: FileExistsError,
+    _errno.ECONNREFUSED: ConnectionRefusedError,
 }
 
 EXEC_STDIN_PIPE = 1
@@ -297,6 +298,20 @@ class AgentClient:
         payload = await self._simple(b"K", _U32.pack(exec_id or 0))
         killed, left = struct.unpack_from(">II", payload)
         return killed, left
+
+    async def open_port(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A raw byte stream to 127.0.0.1:`port` inside the sandbox, relayed by the agent over its own channel
+        (the sandbox's network policy is not involved). ConnectionRefusedError if nothing listens there; the
+        caller closes the writer."""
+        if not 0 < port < 65536:
+            raise ValueError(f"port {port} is not in 1-65535")
+        conn = await self._request(b"F", _U32.pack(port))
+        try:
+            await conn.expect(b"A")
+        except BaseException:
+            await conn.close()
+            raise
+        return conn.reader, conn.writer
 
     async def exec(
         self,
