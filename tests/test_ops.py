@@ -157,6 +157,7 @@ ARGS: dict[str, Args] = {
     "resume": lambda c, sb, x: {"sandbox_id": sb},
     "pause_all": lambda c, sb, x: {"labels": NOWHERE},
     "resume_all": lambda c, sb, x: {"labels": NOWHERE},
+    "expose": lambda c, sb, x: {"sandbox_id": sb, "port": 8000},
     "set_network": lambda c, sb, x: {"sandbox_id": sb, "network": "none"},
     "exec": lambda c, sb, x: {"req": {"sandbox_id": sb, "cmd": "echo ops"}},
     "file_write": lambda c, sb, x: {"sandbox_id": sb, "path": "/tmp/ops.txt", "data": b"ops"},

@@ -155,6 +155,9 @@ _op("pause_all", FANOUT, LABELS, list[JSON], "Pause every running sandbox (with 
     merge=CONCAT, scoped=True)
 _op("resume_all", FANOUT, LABELS, int, "Resume every paused sandbox (with these labels); how many.",
     merge=SUM, scoped=True)
+_op("expose", SANDBOX, {"sandbox_id": str, "port": int}, JSON,
+    "A URL (through the node's or gateway's HTTP) reaching a port inside the sandbox, network policy untouched.",
+    retry=True)
 _op("set_network", SANDBOX, {"sandbox_id": str, "network": str | list[str] | dict[str, bool]}, JSON,
     "Change a sandbox's network policy now.")
 

@@ -322,6 +322,7 @@ async def dispatch_requests(
     after_each: Callable[[], Awaitable[None]] | None = None,
     abandon: Callable[[asyncio.Task], None] | None = None,
     guard: Any = None,
+    takeover: frozenset[str] = frozenset(),
 ) -> None:
     """Serve one connection's requests until the peer goes: each runs as its own task, a `cancel` request
     cancels an earlier one, and on the way out whatever still runs is handed to `abandon`, cancelled and
@@ -354,6 +355,9 @@ async def dispatch_requests(
                 if victim is not None:
                     victim.cancel()
                 continue
+            if request.op in takeover and not tasks:
+                await serve(request)
+                break
             task = asyncio.create_task(serve(request))
             tasks[request.id] = task
             task.add_done_callback(lambda _t, rid=request.id: tasks.pop(rid, None))

@@ -535,6 +535,18 @@ def _is_rpc(fn: Any, args: tuple, options: dict[str, Any]) -> bool:
     )
 
 
+def _reachable(url: str, client: AsyncClient) -> str:
+    """A URL whose host is a wildcard bind (0.0.0.0, ::) names the host the client reached instead."""
+    scheme, _, rest = url.partition("://")
+    hostport, slash, path = rest.partition("/")
+    host, _, port = hostport.rpartition(":")
+    if host.strip("[]") not in ("0.0.0.0", "::", ""):
+        return url
+    where = client._endpoints[0][0] if client._endpoints else "127.0.0.1"
+    where = f"[{where}]" if ":" in where else where
+    return f"{scheme}://{where}:{port}{slash}{path}"
+
+
 def _endpoints(address: str) -> list[tuple[str, int]]:
     out = []
     for part in address.split(","):
@@ -759,6 +771,16 @@ class AsyncSandbox:
         e.g. a `nohup server &` no longer wanted, or a fork bomb. Works at the sandbox's pids limit.
         Returns {"killed": n, "left": n} (left is 0 unless something outran a thousand rounds of kills)."""
         return await self.client.call("kill_processes", {"sandbox_id": self.id, "exec_id": exec_id})
+
+    async def expose(self, port: int) -> str:
+        """A URL that reaches `port` inside the sandbox (HTTP and websockets) through the node's HTTP, or the
+        gateway's when the client talks to one, without opening the sandbox's network policy: a server on
+        127.0.0.1 or 0.0.0.0 in a sandbox with network="none" is reachable. The URL carries a key for this
+        port of this sandbox, derived from a secret of the node; anyone holding it gets in, until the sandbox
+        closes. Without the key, a request needs `Authorization: Bearer <token>` of the sandbox's project at
+        `<base>/ports/<id>/<port>/`. Each request opens one connection to the port (`Connection: close`)."""
+        result = await self.client.call("expose", {"sandbox_id": self.id, "port": port})
+        return _reachable(result["url"], self.client)
 
     async def pause(self) -> dict[str, Any]:
         """Pause: a container is frozen and its memory reclaimed; a VM is saved to disk and its QEMU stopped.

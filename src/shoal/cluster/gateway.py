@@ -43,6 +43,7 @@ from shoal.errors import (
     SandboxNotFoundError,
     ShoalError,
     UnsupportedKindError,
+    from_wire,
     to_wire,
 )
 from shoal.netguard import ConnectionGuard, serve_tcp
@@ -83,6 +84,7 @@ class Gateway:
         if self.cluster_token is None:
             raise AuthenticationError("the gateway's token file has no @cluster token: it needs one to talk to nodes")
         self.name = name
+        self.http_url: str | None = None  # the gateway's HTTP (sb.expose URLs go through it); set by its server
         self.poll_interval = poll_interval
         self.k = k
         self.max_inflight = max_inflight_per_node
@@ -299,6 +301,13 @@ class Gateway:
             raise AuthenticationError(f"operation {name!r} needs a cluster (admin) token, not project {project!r}'s")
         if op.route in (ops.LOCAL, ops.GATEWAY):
             return self._local(op, args, ident)
+        if op.name == "expose":  # the node's answer, with the URL through this gateway's HTTP
+            if self.http_url is None:
+                raise InvalidRequestError(
+                    f"gateway {self.name} serves no HTTP, so it relays no ports: start it with --http"
+                )
+            result = await self._routed(op, args, project, on_event)
+            return dict(result, url=self.http_url + result["path"])
         if op.route == ops.SANDBOX or (op.route == ops.ANYWHERE and op.sandbox_of(args)):
             return await self._routed(op, args, project, on_event)
         if op.route == ops.ANYWHERE:
@@ -329,6 +338,37 @@ class Gateway:
             self.set_nodes(args.get("nodes") or {}, args.get("gone") or {})
             return sorted(self.nodes)
         raise InvalidRequestError(f"operation {op.name!r} has no local implementation in the gateway")
+
+    async def open_port(self, target: Any, project: str | None) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A byte stream to a port inside a sandbox (an sb.expose URL's request, shoal/portrelay.py): a connection
+        of its own to the sandbox's node, as the cluster, turned into that stream by the node's `port_connect`
+        (which checks the key, or that the sandbox is `project`'s)."""
+        node_id = node_of(target.sandbox_id, self.nodes.keys() | self.gone.keys())
+        view = self.nodes.get(node_id)
+        if view is None or not view.healthy:
+            raise self._lost(target.sandbox_id, node_id)
+        if self.node_tls is None:
+            tls.refuse_plaintext(view.host, f"gateway {self.name} to node {node_id}")
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(
+                view.host,
+                view.port,
+                limit=1 << 20,
+                ssl=self.node_tls,
+                server_hostname=view.host if self.node_tls else None,
+            ),
+            10,
+        )
+        try:
+            await _ask(reader, writer, 1, "auth", {"token": self.cluster_token})
+            args: dict[str, Any] = {"sandbox_id": target.sandbox_id, "port": target.port, "key": target.key}
+            if project is not None:
+                args["_project"] = project
+            await _ask(reader, writer, 2, "port_connect", args)
+        except BaseException:
+            writer.close()
+            raise
+        return reader, writer
 
     def _kinds(self) -> set[str]:
         return set().union(*(v.kinds for v in self.nodes.values())) if self.nodes else set()
@@ -703,6 +743,18 @@ class Gateway:
         for conn in list(self.conns.values()):
             await conn.close()
         self.conns.clear()
+
+
+async def _ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rid: int, op: str, args: dict) -> Any:
+    """One request on a connection of its own (no multiplexing: port_connect takes the connection over)."""
+    writer.write(protocol.encode(Request(id=rid, op=op, args=args)))
+    body = await protocol.read_frame(reader)
+    if body is None:
+        raise NodeError(f"the node closed the connection during {op}")
+    response = protocol.decode_response(body)
+    if response.error is not None:
+        raise from_wire(response.error.type, response.error.message)
+    return response.result
 
 
 async def serve(

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from shoal import ops, settings, tls
+from shoal import ops, portrelay, settings, tls
 from shoal.cluster import fusion
 from shoal.cluster.metrics import CONTENT_TYPE, node_metrics
 from shoal.config import parse_hostport, write_address
@@ -54,8 +54,12 @@ _STATUS = [
 ]
 
 
-async def _start(app: web.Application, where: str, addr_file: Any = None) -> Callable[[], Awaitable[None]]:
+async def _start(
+    app: web.Application, where: str, addr_file: Any = None, ports: portrelay.OpenTunnel | None = None
+) -> tuple[Callable[[], Awaitable[None]], str]:
     """Serve `app` on host:port (port 0: any free one); write the bound host:port to `addr_file` if given.
+    With `ports`, requests for sandbox ports (shoal/portrelay.py) are relayed through it instead. Returns the
+    closer and the URL served.
 
     Connections come through shoal.netguard (per-peer caps, EMFILE back-off); one that has not sent a
     request within the auth timeout is closed, and aiohttp closes idle keep-alive ones."""
@@ -64,17 +68,27 @@ async def _start(app: web.Application, where: str, addr_file: Any = None) -> Cal
     # never finishes its body held a stopping gateway that long)
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=30, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
-    listener = await serve_tcp(None, host, port, name="http", protocol_factory=runner.server, ssl=tls.server_context())
+    factory: Callable[[], Any] = runner.server
+    if ports is not None:
+        relay = ports
+
+        def factory() -> Any:
+            return portrelay.Demux(runner.server, relay)
+
+    ssl = tls.server_context()
+    listener = await serve_tcp(None, host, port, name="http", protocol_factory=factory, ssl=ssl)
+    bound = listener.sockets[0].getsockname()
     if addr_file is not None:
-        bound = listener.sockets[0].getsockname()
         write_address(addr_file, bound[0], bound[1])
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    url = f"{'https' if ssl else 'http'}://{shown}:{bound[1]}"
 
     async def close() -> None:
         listener.close()
         await listener.wait_closed()
         await runner.cleanup()
 
-    return close
+    return close, url
 
 
 @web.middleware
@@ -121,10 +135,31 @@ async def serve_node_http(
     async def healthz(_request: web.Request) -> web.Response:
         return web.json_response({"ok": True, "node_id": server.service.settings.node_id})
 
+    async def open_port(target: portrelay.Target) -> portrelay.Stream:
+        """An sb.expose request: its key, or a token of the sandbox's project (or the cluster's)."""
+        service = server.service
+        if not service.ports.key_opens(target):
+            projects = getattr(server, "projects", None)
+            if target.token is None or projects is None:
+                raise portrelay.RelayError(
+                    401, "AuthenticationError",
+                    "this port URL needs its key (the URL sb.expose answered) or Authorization: Bearer <token>",
+                )  # fmt: skip
+            if not target.secure:
+                tls.refuse_plaintext(target.peer, f"node {service.settings.node_id} HTTP")
+            ident = projects.tokens.authenticate(target.token)
+            if not ident.cluster and projects.owner(target.sandbox_id) not in (None, ident.project):
+                raise portrelay.RelayError(
+                    404, "SandboxNotFoundError", f"no sandbox {target.sandbox_id} in project {ident.project!r}"
+                )
+        return await service.open_port(target.sandbox_id, target.port)
+
     app = web.Application(middlewares=[_seen], client_max_size=MAX_BODY)
     app.add_routes([web.get("/metrics", metrics), web.get("/healthz", healthz)])
     app.add_routes(fusion.routes(authenticate, run_code, _error))
-    return await _start(app, where, None if home is None else Path(home) / "node.http")
+    close, url = await _start(app, where, None if home is None else Path(home) / "node.http", open_port)
+    server.service.ports.base = url  # sb.expose answers URLs through this
+    return close
 
 
 def _error(exc: BaseException) -> web.Response:
@@ -253,6 +288,22 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
     async def run_code(request: web.Request, args: dict[str, Any]) -> Any:
         return await dispatch(request, "fn_run_code", args)
 
+    async def open_port(target: portrelay.Target) -> portrelay.Stream:
+        """An sb.expose request: the key goes to the node, which checks it; or a token, whose project must
+        own the sandbox (the node checks that too)."""
+        project = None
+        if target.key is None:
+            if target.token is None:
+                raise portrelay.RelayError(
+                    401, "AuthenticationError",
+                    "this port URL needs its key (the URL sb.expose answered) or Authorization: Bearer <token>",
+                )  # fmt: skip
+            if not target.secure:
+                tls.refuse_plaintext(target.peer, f"gateway {gateway.name} HTTP")
+            ident = gateway.tokens.authenticate(target.token)
+            project = None if ident.cluster else ident.project
+        return await gateway.open_port(target, project)
+
     app = web.Application(middlewares=[_seen, authenticate], client_max_size=MAX_BODY)
     app.add_routes(fusion.routes(lambda _request: None, run_code, _error))  # authenticated by the middleware
     app.add_routes(
@@ -271,7 +322,9 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
             web.get("/openapi.json", openapi),
         ]
     )
-    return await _start(app, where, addr_file)
+    close, url = await _start(app, where, addr_file, open_port)
+    gateway.http_url = url
+    return close
 
 
 def _route(summary: str, op: str, body: str | None = None, query: list[str] | None = None) -> dict[str, Any]:

@@ -39,6 +39,7 @@
 #include <sys/uio.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <time.h>
@@ -2553,6 +2554,21 @@ static void serial_mux(const char *path) {
     }
 }
 
+/* A VM guest's loopback starts down (no init brings it up before us): the port relay connects to it. */
+static void loopback_up(void) {
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        return;
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof(ifr));
+    strncpy(ifr.ifr_name, "lo", IFNAMSIZ - 1);
+    if (ioctl(s, SIOCGIFFLAGS, &ifr) == 0 && !(ifr.ifr_flags & IFF_UP)) {
+        ifr.ifr_flags |= IFF_UP;
+        ioctl(s, SIOCSIFFLAGS, &ifr);
+    }
+    close(s);
+}
+
 static void main_sigchld(int s) {
     (void)s;
     int saved = errno;
@@ -2695,8 +2711,10 @@ int main(int argc, char **argv) {
     agent_pid = getpid();
     slots_init();
     ensure_reserve();
-    if (serial)
+    if (serial) {
+        loopback_up();
         serial_mux(serial);
+    }
 
     for (;;) {
         int c = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);

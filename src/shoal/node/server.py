@@ -12,13 +12,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shoal import ops, protocol
-from shoal.errors import InvalidRequestError
+from shoal import ops, portrelay, protocol
+from shoal.errors import AuthenticationError, InvalidRequestError, SandboxNotFoundError
 from shoal.node.service import NodeService
 from shoal.node.trajectory import detached_tasks
 from shoal.protocol import Request, Response
 
 log = logging.getLogger("shoal.server")
+PORT_CONNECT = "port_connect"  # not an operation of the table: it turns its connection into a byte stream
 
 
 class _Op:
@@ -59,15 +60,46 @@ class NodeServer:
 
         try:
             # a step whose client is gone finishes and is logged (detached), then the task is cancelled
+
+            async def serve(request: Request) -> None:
+                if request.op == PORT_CONNECT:
+                    await self._port_connect(request, (reader, writer), send, session)
+                else:
+                    await self._serve(request, send, session)
+
             await protocol.dispatch_requests(
-                reader,
-                lambda request: self._serve(request, send, session),
-                abandon=detached_tasks.add,
-                guard=guard,
+                reader, serve, abandon=detached_tasks.add, guard=guard, takeover=frozenset({PORT_CONNECT})
             )
         finally:
             self.connections -= 1
             writer.close()
+
+    async def _port_connect(
+        self, request: Request, client: portrelay.Stream, send: Callable[[Response], Any], session: Any
+    ) -> None:
+        """`port_connect {sandbox_id, port, key?}`: answer, then carry this connection's bytes to the port inside
+        the sandbox (a gateway's HTTP relays sb.expose URLs this way). Allowed with the port's key, or for the
+        sandbox's project (a project token, or the cluster naming `_project`), or for the cluster or the Unix
+        socket (both trusted)."""
+        try:
+            args = dict(request.args)
+            target = portrelay.Target(str(args.get("sandbox_id")), int(args.get("port") or 0), args.get("key"))
+            if session is not None:
+                if session.identity is None:
+                    raise AuthenticationError("not authenticated: port_connect comes after auth")
+                project = args.get("_project") if session.identity.cluster else session.identity.project
+                if target.key is not None:
+                    if not self.service.ports.key_opens(target):
+                        raise AuthenticationError(f"the key does not open port {target.port} of {target.sandbox_id}")
+                elif project is not None and session.projects.owner(target.sandbox_id) not in (None, project):
+                    node = self.service.settings.node_id
+                    raise SandboxNotFoundError(f"no sandbox {target.sandbox_id} on node {node} in project {project!r}")
+            upstream = await self.service.open_port(target.sandbox_id, target.port)
+        except Exception as exc:  # this request's error answer; the connection ends with it
+            await send(protocol.error_response(request, exc))
+            return
+        await send(Response(id=request.id, result={"port": target.port}))
+        await portrelay.pipe(client, upstream)
 
     def _local_identity(self) -> dict[str, Any]:
         """`auth` on the Unix socket: whoever can open it is root on this machine, the node's admin."""

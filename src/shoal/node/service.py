@@ -45,6 +45,7 @@ from shoal.node.images import NodeImages
 from shoal.node.lifecycle import ON_TIMEOUT, Lifecycle
 from shoal.node.logs import TrajectoryQueries
 from shoal.node.pools import WarmPools
+from shoal.node.ports import NodePorts
 from shoal.node.sandbox import Sandbox, State
 from shoal.node.shell import ShellSession
 from shoal.node.table import NODE_RESTARTED, SandboxTable
@@ -115,6 +116,7 @@ class NodeService:
         self.adopted: list[str] = []
         self.lost: dict[str, str] = {}  # sandboxes found at start that could not be adopted, and why
         self._naming: dict[str, asyncio.Future[SandboxInfo]] = {}  # trajectory names being created
+        self.ports = NodePorts(paths.home)  # sb.expose: keys, the URL base, the loopback relay
 
     # ---------------------------------------------------------------- lifecycle of the node
 
@@ -140,6 +142,7 @@ class NodeService:
         self._stopping = True  # connections outlive the listener: refuse creates that arrive from now on
         if self._reaper:
             self._reaper.cancel()
+        await self.ports.close()
         await self.functions.stop()
         await self.pools.drain()
         await self._settle()
@@ -881,6 +884,40 @@ class NodeService:
         except AgentError:
             raise
         except FileNotFoundError:
+            raise
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            raise await self._lost(sandbox, exc) from exc
+
+    # ---------------------------------------------------------------- ports (node/ports.py, shoal/portrelay.py)
+
+    async def expose(self, sandbox_id: str, port: int) -> dict[str, Any]:
+        """A URL reaching `port` inside the sandbox through this node's HTTP, with the key that opens it."""
+        if not 0 < port < 65536:
+            raise InvalidRequestError(f"port {port} is not a port number (1-65535)")
+        if self.functions.owns(sandbox_id):
+            raise InvalidRequestError(f"{sandbox_id} is a function sandbox: it runs no servers; expose a container")
+        self._get(sandbox_id)
+        key = self.ports.key(sandbox_id, port)
+        path = f"/ports/{sandbox_id}/{port}.{key}/"
+        base = await self.ports.url_base(self.open_port_target)
+        return {"url": base + path, "path": path, "port": port, "key": key,
+                "sandbox_key": self.ports.key(sandbox_id, None)}  # fmt: skip
+
+    async def open_port_target(self, target: Any) -> Any:
+        return await self.open_port(target.sandbox_id, target.port)
+
+    async def open_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A byte stream to 127.0.0.1:port inside the sandbox (the agent's relay; the caller authorised it)."""
+        if self.functions.owns(sandbox_id):
+            raise InvalidRequestError(f"{sandbox_id} is a function sandbox: it serves no ports")
+        sandbox = await self._awake(self._get(sandbox_id))
+        try:
+            return await sandbox.agent.open_port(port)
+        except ConnectionRefusedError as exc:
+            raise ConnectionRefusedError(
+                exc.errno, f"nothing listens on 127.0.0.1:{port} in sandbox {sandbox_id} ({exc.strerror})"
+            ) from None
+        except AgentError:
             raise
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
             raise await self._lost(sandbox, exc) from exc
