@@ -6,15 +6,22 @@ read what happened (OOM kills), to freeze, and to remove what a crashed runtime 
 
 from __future__ import annotations
 
+import errno
+import functools
 import os
+import time
 from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct", "cpuset", "freezer", "devices", "blkio")
 
 
+@functools.cache
 def layout() -> str:
-    """'v2' (unified), 'hybrid' (v1 with an empty cgroup2 at unified/), or 'v1'."""
+    """'v2' (unified), 'hybrid' (v1 with an empty cgroup2 at unified/), or 'v1'.
+
+    Asked on every exec and close: looked up once (a host does not change its cgroup layout under a running
+    process)."""
     if (ROOT / "cgroup.controllers").exists():
         return "v2"
     if (ROOT / "unified" / "cgroup.controllers").exists():
@@ -22,24 +29,27 @@ def layout() -> str:
     return "v1"
 
 
-def sandbox_dirs(path: str) -> list[Path]:
-    """Every directory of cgroup `path` (e.g. '/shoal/<id>') that exists now."""
+def candidate_dirs(path: str) -> list[str]:
+    """Where cgroup `path` (e.g. '/shoal/<id>') is in each hierarchy, whether it exists or not."""
     rel = path.lstrip("/")
     if layout() == "v2":
-        candidates = [ROOT / rel]
-    else:
-        candidates = [ROOT / c / rel for c in V1_CONTROLLERS]
-        candidates.append(ROOT / "systemd" / rel)
-    return [p for p in candidates if p.is_dir()]
+        return [f"{ROOT}/{rel}"]
+    return [f"{ROOT}/{c}/{rel}" for c in (*V1_CONTROLLERS, "systemd")]
+
+
+def sandbox_dirs(path: str) -> list[Path]:
+    """Every directory of cgroup `path` (e.g. '/shoal/<id>') that exists now."""
+    return [Path(p) for p in candidate_dirs(path) if os.path.isdir(p)]
 
 
 def oom_kills(path: str) -> int:
     """How many times the kernel's OOM killer has killed a process in this cgroup."""
     rel = path.lstrip("/")
     name = "memory.events" if layout() == "v2" else "memory.oom_control"
-    base = ROOT / rel if layout() == "v2" else ROOT / "memory" / rel
+    base = f"{ROOT}/{rel}" if layout() == "v2" else f"{ROOT}/memory/{rel}"
     try:
-        text = (base / name).read_text()
+        with open(f"{base}/{name}") as handle:
+            text = handle.read()
     except OSError:
         return 0
     for line in text.splitlines():
@@ -87,28 +97,49 @@ def procs(path: str) -> list[int]:
 
 
 def remove(path: str) -> None:
-    """Kill whatever is left in the cgroup and remove its directories (children first)."""
+    """Kill whatever is left in the cgroup and remove its directories (children first).
+
+    The common case is an empty cgroup with no children (the sandbox's init is dead and the kernel killed
+    the rest of its PID namespace): one rmdir per hierarchy, nothing read or listed. Only a directory the
+    kernel refuses to remove (tasks still exiting, child cgroups) is looked into."""
+    busy = []
+    for directory in candidate_dirs(path):
+        try:
+            os.rmdir(directory)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            busy.append(directory)
+    if not busy:
+        return
     for pid in procs(path):
         try:
             os.kill(pid, 9)
         except ProcessLookupError:
             pass
-    for directory in sandbox_dirs(path):
-        for sub in sorted(directory.rglob("*"), key=lambda p: -len(p.parts)):
-            if sub.is_dir():
-                _rmdir(sub)
-        _rmdir(directory)
+    for directory in busy:
+        _remove_tree(directory)
 
 
-def _rmdir(directory: Path) -> None:
+def _remove_tree(directory: str) -> None:
+    """rmdir `directory` after its child cgroups (only directories: a cgroup's files go with it)."""
+    try:
+        children = [entry.path for entry in os.scandir(directory) if entry.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return
+    for child in children:
+        _remove_tree(child)
+    _rmdir(directory)
+
+
+def _rmdir(directory: str) -> None:
     for _ in range(50):
         try:
-            directory.rmdir()
+            os.rmdir(directory)
             return
         except FileNotFoundError:
             return
-        except OSError:
-            # EBUSY while killed tasks exit
-            import time
-
+        except OSError as exc:  # EBUSY while killed tasks exit; anything else: left for the next reconcile
+            if exc.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+                return
             time.sleep(0.01)

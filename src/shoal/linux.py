@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
+import subprocess
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -63,3 +65,30 @@ def mountpoints() -> dict[str, str]:
 
 def is_mountpoint(path: str) -> bool:
     return os.path.realpath(path) in mountpoints()
+
+
+def remove_directory(path: str, known_dirs: tuple[str, ...] = (), known_files: tuple[str, ...] = ()) -> None:
+    """Delete `path` without walking it in Python: the known entries with a syscall each, the top level's
+    files by one listing; whatever else is there (a sandbox that wrote files) goes to `rm -rf` (a C walk in
+    its own process, staying on this file system), so the node's own CPU per close does not grow with what
+    the sandbox wrote."""
+    for name in known_files:
+        with contextlib.suppress(OSError):
+            os.unlink(f"{path}/{name}")
+    for name in known_dirs:
+        with contextlib.suppress(OSError):
+            os.rmdir(f"{path}/{name}")
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if not entry.is_dir(follow_symlinks=False):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+        os.rmdir(path)
+        return
+    except FileNotFoundError:
+        return
+    except OSError:  # not empty: directories the sandbox made
+        pass
+    subprocess.run(["rm", "-rf", "--one-file-system", "--", path], stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)  # fmt: skip

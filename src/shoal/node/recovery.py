@@ -46,7 +46,11 @@ class NotAdoptable(Exception):
 
 
 def write_record(sandbox: Sandbox) -> None:
-    """Merge the node's view of `sandbox` into its record.json (atomically: write, fsync, rename)."""
+    """Merge the node's view of `sandbox` into its record.json (atomically: write, rename).
+
+    No fsync (it blocked the event loop on every create and claim): the record serves re-adoption after the
+    node *process* dies, and the page cache outlives a process. After a machine crash there is nothing to
+    re-adopt (the sandboxes died with it), and a torn or empty record is cleaned up as an orphan."""
     path = sandbox.instance.directory / "record.json"
     try:
         record = json.loads(path.read_text())
@@ -64,11 +68,12 @@ def write_record(sandbox: Sandbox) -> None:
         "agent_socket": str(sandbox.instance.agent_socket),
         "instance": {"runtime": sandbox.instance.runtime, "pid": sandbox.instance.pid, "upper": sandbox.instance.upper},
     }
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as handle:
-        json.dump(record, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, json.dumps(record).encode())
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 

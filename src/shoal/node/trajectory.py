@@ -280,8 +280,11 @@ class TrajectoryLog:
                     self._ensure_reserve()
             except BaseException as exc:  # report to every waiter; the node keeps running
                 failure = exc
+            by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
             for _, _, future, loop, _ in batch:
-                loop.call_soon_threadsafe(_settle, future, failure)
+                by_loop.setdefault(loop, []).append(future)
+            for loop, futures in by_loop.items():  # one wake-up of each loop per commit, not one per step
+                loop.call_soon_threadsafe(_settle_all, futures, failure)
         db.close()
 
     def close(self) -> None:
@@ -316,6 +319,11 @@ class TrajectoryLog:
             "SELECT * FROM sandboxes WHERE trajectory=? ORDER BY created_at DESC LIMIT 1", (trajectory,)
         ).fetchone()
         return None if row is None else _sandbox_row(row)
+
+
+def _settle_all(futures: list[asyncio.Future], failure: BaseException | None) -> None:
+    for future in futures:
+        _settle(future, failure)
 
 
 def _settle(future: asyncio.Future, failure: BaseException | None) -> None:

@@ -9,7 +9,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from shoal import settings, spawn
+from shoal import linux, settings, spawn
 from shoal.errors import InvalidRequestError, SandboxLostError
 
 RUNTIMES = ("crun", "runc", "runsc")
@@ -95,7 +95,7 @@ class OciRuntime:
             return False
         finally:
             os.close(pidfd)
-        shutil.rmtree(self.state_root / container_id, ignore_errors=True)
+        linux.remove_directory(f"{self.state_root}/{container_id}")  # a few files: no walk, no thread
         return True
 
     async def pause(self, container_id: str) -> None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import json
 import logging
 import os
-import shutil
 import socket
 from pathlib import Path
 
@@ -79,26 +79,19 @@ class ContainerSubstrate(Substrate):
         shift = self.userns_base if runtime.name == "crun" else None
         try:
             record = {"id": sandbox_id, "kind": self.kind, "runtime": runtime.name, "cgroup": instance.cgroup_path}
-            (directory / "record.json").write_text(json.dumps(record))
+            _write(directory / "record.json", json.dumps(record))
             disk_mb = spec.disk_mb or self.default_disk_mb
             if disk_mb or shift is not None:  # formatting, copying, shifting: off the loop
                 upper = await asyncio.to_thread(self._mount_rootfs, directory, image, disk_mb, shift)
             else:
                 upper = self._mount_rootfs(directory, image)
             instance.upper = str(upper)
-            config = bundle_config(
-                hostname="sandbox",
-                agent_binary=self.agent_binary,
-                cgroup_path=instance.cgroup_path,
-                cpu=spec.cpu if spec.cpu is not None else self.default_cpu,
-                memory_mb=spec.memory_mb,
-                pids=spec.pids,
-                agent_dir=str(agent_dir) if agent_dir else None,
-                userns_base=shift,
-            )
+            cpu = spec.cpu if spec.cpu is not None else self.default_cpu
+            shape = (self.agent_binary, cpu, spec.memory_mb, spec.pids, str(agent_dir) if agent_dir else None, shift)
+            config = _config_text(shape).replace(_CGROUP_TOKEN, instance.cgroup_path)
             if agent_dir:
                 agent_dir.mkdir()
-            (directory / "config.json").write_text(json.dumps(config))
+            _write(directory / "config.json", config)
             if agent_dir is None:
                 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 listener.bind(str(instance.agent_socket))
@@ -106,7 +99,7 @@ class ContainerSubstrate(Substrate):
             fd = listener.fileno() if listener else None
             await runtime.run_detached(sandbox_id, directory, fd, directory / "runtime.log")
             if agent_dir is None:
-                instance.pid = pid = int((directory / "pid").read_text())
+                instance.pid = pid = int(_read(directory / "pid"))
                 _shield_from_oom_killer(pid)
             else:
                 await _wait_for_socket(instance.agent_socket, directory / "runtime.log")
@@ -205,4 +198,40 @@ def _remove_leftovers(directory: Path, cgroup_path: str) -> None:
         if exc.errno not in (errno.EINVAL, errno.ENOENT):  # not mounted (any more): nothing to do
             raise SandboxLostError(f"could not unmount {rootfs}: {exc}") from exc
     disk.unmount_disk(directory)
-    shutil.rmtree(directory, ignore_errors=True)
+    linux.remove_directory(str(directory), KNOWN_DIRS, KNOWN_FILES)
+
+
+# What a sandbox's state directory holds after a plain create and close (besides files at its top): removed
+# with one syscall each, deepest first. `.shoal/agent` is the mount point crun makes in the upper for the agent.
+KNOWN_FILES = ("upper/.shoal/agent",)
+KNOWN_DIRS = ("upper/.shoal", "upper", "work/work", "work", "rootfs", "disk", "agent")
+
+
+_CGROUP_TOKEN = "@@shoal-cgroup-path@@"
+
+
+@functools.lru_cache(maxsize=64)
+def _config_text(shape: tuple) -> str:
+    """config.json of one sandbox shape, rendered once: a create only puts its cgroup path in."""
+    agent_binary, cpu, memory_mb, pids, agent_dir, shift = shape
+    config = bundle_config(
+        hostname="sandbox", agent_binary=agent_binary, cgroup_path=_CGROUP_TOKEN, cpu=cpu, memory_mb=memory_mb,
+        pids=pids, agent_dir=agent_dir, userns_base=shift,
+    )  # fmt: skip
+    return json.dumps(config)
+
+
+def _write(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 4096).decode()
+    finally:
+        os.close(fd)
