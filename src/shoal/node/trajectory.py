@@ -1,9 +1,12 @@
 """The trajectory log: every step run in a sandbox, in order, durable before its result is returned.
 
-One SQLite database per node (`$SHOAL_HOME/trajectory.db`) in WAL mode with `synchronous=FULL`, so a
-committed step survives a SIGKILL of the node and a power cut. Appends go to one writer thread that
-commits whatever has queued up in a single transaction (group commit): under concurrency many steps share
-one fsync. Reads (fast-forward, `shoal log`) use a separate connection on the event loop: point lookups by
+One SQLite database per node (`$SHOAL_HOME/trajectory.db`) in WAL mode; a committed step survives a
+SIGKILL of the node and a power cut. Rows are written on the event loop itself (a WAL append without fsync,
+`synchronous=NORMAL`: tens of microseconds and no thread hop, which is all a step's intent needs); a syncer
+thread then fsyncs the WAL once for every row written before it started (group commit across sandboxes)
+and a step's result is answered only after the fsync that covers it. NORMAL plus that fsync is what FULL
+does (FULL syncs the WAL at every commit); checkpoints, which sync the database file, run on the syncer
+thread. Reads (fast-forward, `shoal log`) use a separate connection on the event loop: point lookups by
 primary key take microseconds.
 
 A step's `key` (shoal/steps.py) is a digest of the arguments that define it; a re-issued step with the
@@ -60,6 +63,7 @@ CREATE TABLE IF NOT EXISTS steps (
 """
 
 log = logging.getLogger("shoal.trajectory")
+CHECKPOINT_BYTES = 4 << 20  # a WAL past this is copied into the database by the syncer thread
 
 # Tasks whose client connection went away: a logged step they run keeps going and is logged (see service).
 detached_tasks: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
@@ -101,7 +105,8 @@ class Step:
 
 
 class TrajectoryLog:
-    """Append steps durably (group commit on a writer thread); read them back on the caller's thread.
+    """Append steps durably (written on the loop, group-committed fsyncs on a thread); read them back on the
+    caller's thread.
 
     Disk reserve: a file of `reserve_bytes` (SHOAL_LOG_RESERVE_MB, default 64) is allocated next to the
     database. When a commit fails because the disk is full (a sandbox without a disk cap filled the disk
@@ -117,15 +122,27 @@ class TrajectoryLog:
         self.reserve = path.with_name(path.name + ".reserve")
         self.reserve_bytes = reserve_bytes
         self.reserve_released = 0  # times the reserve was given up for a commit
-        self._reserve_checked = 0.0
+        self._reserve_checked = time.monotonic()
         self._ensure_reserve()
         self._reader = self._connect()
         self._reader.executescript(SCHEMA)
-        self._queue: queue.SimpleQueue[tuple[str, tuple, asyncio.Future, asyncio.AbstractEventLoop, bool] | None]
-        self._queue = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write_forever, name="shoal-trajectory", daemon=True)
-        self._writer.start()
-        self.commits = 0
+        # Writes run on the caller's thread (the event loop) with synchronous=NORMAL: a WAL append, no fsync,
+        # tens of microseconds. The WAL is then fsynced by a syncer thread, one fsync for every write that
+        # committed before it started (group commit), and a durable write's caller waits for that fsync.
+        # Checkpoints (which write and sync the database file) run on that thread too, never on the loop.
+        self._db = self._connect()
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA wal_autocheckpoint=0")
+        self._wal = f"{path}-wal"
+        self._sync_queue: queue.SimpleQueue[tuple[int, asyncio.AbstractEventLoop] | None] = queue.SimpleQueue()
+        self._written = 0  # writes committed to the WAL so far
+        self._synced = 0  # of them, how many an fsync has covered
+        self._sync_requested = 0
+        self._waiters: list[tuple[int, asyncio.Future]] = []
+        self._sync_error: BaseException | None = None
+        self._syncer = threading.Thread(target=self._sync_forever, name="shoal-trajectory-sync", daemon=True)
+        self._syncer.start()
+        self.commits = 0  # fsyncs (each covers every write before it)
         self.appended = 0
 
     def _connect(self) -> sqlite3.Connection:
@@ -138,22 +155,104 @@ class TrajectoryLog:
     # ---------------------------------------------------------------- writes (durable when awaited)
 
     async def _submit(self, sql: str, params: tuple, fsync: bool = True) -> None:
-        """Queue one write and wait until it is committed: written to the WAL (it survives the node
-        process dying) and, with `fsync`, flushed to the disk (it survives the machine dying too)."""
+        """Write one row and return once it is committed: written to the WAL (it survives the node process
+        dying) and, with `fsync`, flushed to the disk (it survives the machine dying too)."""
+        try:
+            self._write([(sql, params)])
+            if fsync:
+                await asyncio.shield(self._durable(self._written))  # a cancelled caller: the fsync still runs
+        except sqlite3.Error as exc:
+            raise self._error(exc) from exc
+
+    def _error(self, exc: sqlite3.Error) -> Exception:
+        from shoal.errors import CapacityError, ShoalError
+
+        if "full" in str(exc):
+            return CapacityError(
+                f"the trajectory log {self.path} cannot be written: no space left; free disk space "
+                "(or create sandboxes with record=False)"
+            )
+        return ShoalError(f"the trajectory log {self.path} could not be written: {exc}")
+
+    def _write(self, statements: list[tuple[str, tuple]]) -> None:
+        """Commit `statements` as one transaction to the WAL (no fsync: see _durable)."""
+        try:
+            self._commit(self._db, statements)
+        except sqlite3.OperationalError as exc:
+            if "full" not in str(exc) or not self._release_reserve():
+                raise
+            self._commit(self._db, statements)  # with the reserve's space
+        self._written += 1
+        self.appended += 1
+
+    def _durable(self, upto: int) -> asyncio.Future:
+        """A future done once an fsync of the WAL covers write number `upto`."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._queue.put((sql, params, done, loop, fsync))
-        try:
-            await asyncio.shield(done)  # a cancelled caller must not abandon a write half way
-        except sqlite3.Error as exc:
-            from shoal.errors import CapacityError, ShoalError
+        if self._synced >= upto:
+            done.set_result(None)
+            return done
+        self._waiters.append((upto, done))
+        if self._sync_requested < upto:  # the syncer takes everything written by the time it starts
+            self._sync_requested = upto
+            self._sync_queue.put((upto, loop))
+        return done
 
-            if "full" in str(exc):
-                raise CapacityError(
-                    f"the trajectory log {self.path} cannot be written: no space left; free disk space "
-                    "(or create sandboxes with record=False)"
-                ) from exc
-            raise ShoalError(f"the trajectory log {self.path} could not be written: {exc}") from exc
+    def _sync_forever(self) -> None:
+        checkpointer = self._connect()
+        while True:
+            item = self._sync_queue.get()
+            if item is None:
+                break
+            upto, loop = item
+            while True:  # a burst of requests: one fsync covers them all
+                try:
+                    more = self._sync_queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._sync_queue.put(None)
+                    break
+                upto = max(upto, more[0])
+            failure: BaseException | None = None
+            try:
+                fd = os.open(self._wal, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                    size = os.fstat(fd).st_size
+                finally:
+                    os.close(fd)
+                self.commits += 1
+                if size > CHECKPOINT_BYTES:  # copy the WAL into the database (synced) so the WAL restarts
+                    checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                if self.reserve_bytes > 0 and time.monotonic() - self._reserve_checked > 10:
+                    self._reserve_checked = time.monotonic()
+                    self._ensure_reserve()
+            except BaseException as exc:  # report to every waiter; the node keeps running
+                failure = exc
+            try:
+                loop.call_soon_threadsafe(self._settle, upto, failure)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+        checkpointer.close()
+
+    def _settle(self, upto: int, failure: BaseException | None) -> None:
+        """On the loop: wake the writers an fsync covered (or tell them it failed)."""
+        if failure is None:
+            self._synced = max(self._synced, upto)
+        still = []
+        for target, future in self._waiters:
+            if target > upto:
+                still.append((target, future))
+            elif not future.done():
+                if failure is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(sqlite3.OperationalError(f"fsync of the log failed: {failure}"))
+        self._waiters = still
+        if failure is not None and still and self._sync_requested <= upto:  # retry for the rest
+            self._sync_requested = max(t for t, _ in still)
+            self._sync_queue.put((self._sync_requested, asyncio.get_running_loop()))
 
     async def append(
         self,
@@ -196,10 +295,18 @@ class TrajectoryLog:
         )
 
     async def prune(self, closed_before: float) -> None:
-        """Forget the logs of sandboxes that ended before `closed_before` (live ones are always kept)."""
-        ended = "SELECT id FROM sandboxes WHERE status != 'live' AND closed_at < ?"
-        await self._submit(f"DELETE FROM steps WHERE sandbox_id IN ({ended})", (closed_before,), fsync=False)
-        await self._submit(f"DELETE FROM sandboxes WHERE id IN ({ended})", (closed_before,), fsync=False)
+        """Forget the logs of sandboxes that ended before `closed_before` (live ones are always kept).
+
+        A few sandboxes per transaction, yielding between them: the writes run on the event loop."""
+        ended = "SELECT id FROM sandboxes WHERE status != 'live' AND closed_at < ? LIMIT 16"
+        while ids := [row[0] for row in self._db.execute(ended, (closed_before,))]:
+            marks = ",".join("?" * len(ids))
+            try:
+                self._write([(f"DELETE FROM steps WHERE sandbox_id IN ({marks})", tuple(ids)),
+                             (f"DELETE FROM sandboxes WHERE id IN ({marks})", tuple(ids))])  # fmt: skip
+            except sqlite3.Error as exc:
+                raise self._error(exc) from exc
+            await asyncio.sleep(0)
 
     def _ensure_reserve(self) -> None:
         """(Re)allocate the reserve file if it is missing and the disk has room for it and as much again."""
@@ -233,10 +340,13 @@ class TrajectoryLog:
         )  # fmt: skip
         return True
 
-    def _commit(self, db: sqlite3.Connection, batch: list) -> None:
+    def _commit(self, db: sqlite3.Connection, statements: list[tuple[str, tuple]]) -> None:
+        if len(statements) == 1:  # autocommit: one statement is its own transaction
+            db.execute(*statements[0])
+            return
         db.execute("BEGIN IMMEDIATE")
         try:
-            for sql, params, _, _, _ in batch:
+            for sql, params in statements:
                 db.execute(sql, params)
             db.execute("COMMIT")
         except BaseException:
@@ -244,52 +354,10 @@ class TrajectoryLog:
                 db.execute("ROLLBACK")
             raise
 
-    def _write_forever(self) -> None:
-        db = self._connect()
-        synchronous = "FULL"
-        while True:
-            item = self._queue.get()
-            if item is None:
-                break
-            batch = [item]
-            while True:  # group commit: take everything that queued up while the last fsync ran
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._queue.put(None)
-                    break
-                batch.append(more)
-            failure: BaseException | None = None
-            try:
-                wanted = "FULL" if any(item[4] for item in batch) else "NORMAL"
-                if wanted != synchronous:
-                    db.execute(f"PRAGMA synchronous={wanted}")
-                    synchronous = wanted
-                try:
-                    self._commit(db, batch)
-                except sqlite3.OperationalError as exc:
-                    if "full" not in str(exc) or not self._release_reserve():
-                        raise
-                    self._commit(db, batch)  # with the reserve's space
-                self.commits += 1
-                self.appended += len(batch)
-                if self.reserve_bytes > 0 and time.monotonic() - self._reserve_checked > 10:
-                    self._reserve_checked = time.monotonic()
-                    self._ensure_reserve()
-            except BaseException as exc:  # report to every waiter; the node keeps running
-                failure = exc
-            by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
-            for _, _, future, loop, _ in batch:
-                by_loop.setdefault(loop, []).append(future)
-            for loop, futures in by_loop.items():  # one wake-up of each loop per commit, not one per step
-                loop.call_soon_threadsafe(_settle_all, futures, failure)
-        db.close()
-
     def close(self) -> None:
-        self._queue.put(None)
-        self._writer.join(timeout=10)
+        self._sync_queue.put(None)
+        self._syncer.join(timeout=10)
+        self._db.close()
         self._reader.close()
 
     # ---------------------------------------------------------------- reads
@@ -319,20 +387,6 @@ class TrajectoryLog:
             "SELECT * FROM sandboxes WHERE trajectory=? ORDER BY created_at DESC LIMIT 1", (trajectory,)
         ).fetchone()
         return None if row is None else _sandbox_row(row)
-
-
-def _settle_all(futures: list[asyncio.Future], failure: BaseException | None) -> None:
-    for future in futures:
-        _settle(future, failure)
-
-
-def _settle(future: asyncio.Future, failure: BaseException | None) -> None:
-    if future.done():
-        return
-    if failure is None:
-        future.set_result(None)
-    else:
-        future.set_exception(failure)
 
 
 def _step(row: tuple) -> Step:
