@@ -1,6 +1,6 @@
 """The RL adapters (shoal.rl) driven by the real, pinned frameworks: Gymnasium's own env checker, verl's
-BaseTool cycle, skyrl-gym's registry, SWE-ReX's deployment/runtime; and a rollout killed and restarted that
-resumes by fast-forward (tests/rl_resume_script.py)."""
+BaseTool cycle, skyrl-gym's registry, SWE-ReX's deployment/runtime, mini-swe-agent's DefaultAgent; and a
+rollout killed and restarted that resumes by fast-forward (tests/rl_resume_script.py)."""
 
 from __future__ import annotations
 
@@ -245,3 +245,44 @@ def test_killed_rollout_resumes_by_fast_forward(node: NodeProcess, client: shoal
     assert sum(rounds[kill_after]["ff"]) > 0
     leftover = [s for s in client.list() if (s.trajectory or "").startswith(name)]
     assert not leftover
+
+
+def test_mini_swe_agent_runs_a_scripted_episode_in_a_sandbox(node: NodeProcess, client: shoal.Client) -> None:
+    """The real mini-swe-agent: its config names the environment by dotted path, its DefaultAgent runs a
+    scripted model (no LLM) whose actions fix a file in the sandbox, time out once, and submit."""
+    import yaml
+    from minisweagent import package_dir
+    from minisweagent.agents.default import DefaultAgent
+    from minisweagent.environments import get_environment
+    from minisweagent.models.test_models import DeterministicModel, make_output
+
+    config = yaml.safe_load((package_dir / "config" / "default.yaml").read_text())
+    env = get_environment(
+        {"environment_class": "shoal.rl.miniswe.ShoalEnvironment", "image": "debian", "cwd": "/work",
+         "home": str(node.home), "timeout": 10, "env": {"GREETING": "hi"}, "sandbox": {"labels": {"rl": "mini"}}}
+    )  # fmt: skip
+    sandbox_id = env.sandbox.id
+    try:
+        steps = [
+            "printf 'def add(a, b):\\n    return a - b\\n' > calc.py && echo $GREETING && pwd",
+            "sed -i 's/a - b/a + b/' calc.py && python3 -c 'import calc; print(calc.add(2, 3))'",
+            "sleep 60",  # over the action timeout: an observation, not a crash
+            "echo oops >&2; exit 3",
+            "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat calc.py",
+        ]
+        outputs = [make_output(f"step {i}\n```mswea_bash_command\n{c}\n```", [{"command": c}]) for i, c in
+                   enumerate(steps)]  # fmt: skip
+        agent = DefaultAgent(DeterministicModel(outputs=outputs), env, **{**config["agent"], "step_limit": 10})
+        result = agent.run("make add() add")
+        assert result["exit_status"] == "Submitted", result
+        assert result["submission"] == "def add(a, b):\n    return a + b\n"
+        observations = [m["content"] for m in agent.messages if m["role"] in ("user", "tool")][1:]
+        assert "hi\n/work" in observations[0]
+        assert "<returncode>0</returncode>" in observations[1] and "5" in observations[1]
+        assert "timed out" in observations[2] and "<returncode>-1</returncode>" in observations[2]
+        assert "<returncode>3</returncode>" in observations[3] and "oops" in observations[3]  # stderr merged
+        assert client.get(sandbox_id).exec("cat /work/calc.py").stdout.startswith("def add")
+        assert env.serialize()["info"]["config"]["sandbox_id"] == sandbox_id
+    finally:
+        env.cleanup()
+    assert sandbox_id not in [s.id for s in client.list()]
