@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 APT_PACKAGES := crun runc runsc bubblewrap mmdebstrap busybox-static erofs-utils iproute2 nftables e2fsprogs \
 	qemu-system-x86 qemu-utils gcc libc6-dev make psmisc procps file util-linux \
-	skopeo umoci docker-registry openssl
+	skopeo umoci docker-registry openssl chromium chromium-driver
 PYTHON ?= python3
 
 .PHONY: setup demo test test-fast bench bench-vm lint settings-doc clean-state apt venv agent images vm-images

@@ -51,6 +51,38 @@ def cmd_top(args: argparse.Namespace) -> int:
         return run(client, args.interval, args.once)
 
 
+def console_url(http: str | None, home: str | None) -> str:
+    """The web console's URL: at `http` (host:port of a node's or gateway's HTTP), else at the local node's
+    (the address it published in $SHOAL_HOME/node.http)."""
+    from shoal import settings
+
+    if not http:
+        published = (Path(home) if home else settings.HOME.get()) / "node.http"
+        try:
+            http = published.read_text().strip()
+        except OSError:
+            raise shoal.InvalidRequestError(
+                f"no console here: the node publishes none ({published} is missing). Start the node with "
+                "SHOAL_HTTP=host:port, SHOAL_TCP and SHOAL_TOKENS (the console takes the same tokens), or give "
+                "--http host:port of a gateway's HTTP port"
+            ) from None
+    host, _, port = http.rpartition(":")
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    scheme = "https" if settings.TLS_CERT.raw() else "http"
+    return f"{scheme}://{'[' + host + ']' if ':' in host else host}:{port}/console/"
+
+
+def cmd_console(args: argparse.Namespace) -> int:
+    url = console_url(args.http, args.home)
+    print(url)
+    if args.open:
+        import webbrowser
+
+        webbrowser.open(url)
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -382,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
     tls_cmd.add_argument("--name", action="append", help="a certificate per name (repeatable; default node, gateway)")
     tls_cmd.add_argument("--host", action="append", default=[], help="a name or address it is valid for (repeatable)")
     tls_cmd.set_defaults(func=cmd_tls)
+    console = sub.add_parser("console", help="print (or --open) the web console's URL (log in with a token)")
+    console.add_argument("--http", help="host:port of a node's or gateway's HTTP (default: the local node's)")
+    console.add_argument("--open", action="store_true", help="also open it in a browser")
+    console.set_defaults(func=cmd_console)
     top = sub.add_parser("top", help="live view of a cluster (through a gateway)")
     top.add_argument("--ray-address", help="find the gateway through this Ray cluster")
     top.add_argument("--interval", type=float, default=1.0)

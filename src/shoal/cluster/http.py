@@ -1,5 +1,6 @@
-"""HTTP surfaces: /metrics and /healthz on nodes and gateways; on gateways also a JSON control API
-(`/v1/...`, described by `/openapi.json`) so any language can create sandboxes, run commands and move files.
+"""HTTP surfaces: /metrics and /healthz on nodes and gateways, and the web console under /console/ on both
+(shoal/console); on gateways also a JSON control API (`/v1/...`, described by `/openapi.json`) so any
+language can create sandboxes, run commands and move files.
 
 Authentication: `Authorization: Bearer <token>`, the same tokens as the binary protocol.
 """
@@ -16,8 +17,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from shoal import ops, portrelay, settings, tls
+from shoal import console, ops, portrelay, settings, tls
 from shoal.cluster import fusion
+from shoal.cluster.consoles import GatewayConsole, NodeConsole
 from shoal.cluster.metrics import CONTENT_TYPE, node_metrics
 from shoal.config import parse_hostport, write_address
 from shoal.errors import (
@@ -157,6 +159,7 @@ async def serve_node_http(
     app = web.Application(middlewares=[_seen], client_max_size=MAX_BODY)
     app.add_routes([web.get("/metrics", metrics), web.get("/healthz", healthz)])
     app.add_routes(fusion.routes(authenticate, run_code, _error))
+    console.mount(app, NodeConsole(server, registry, session))
     close, url = await _start(app, where, None if home is None else Path(home) / "node.http", open_port)
     server.service.ports.base = url  # sb.expose answers URLs through this
     return close
@@ -191,8 +194,8 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
     async def authenticate(request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
         """The token is checked from the headers before any body is read (an unauthenticated peer cannot
         make the gateway buffer one); bodies are capped at MAX_BODY (SHOAL_HTTP_MAX_BODY, 413 above)."""
-        if request.path in PUBLIC:
-            return await handler(request)
+        if request.path in PUBLIC or request.path == console.PREFIX or request.path.startswith(console.PREFIX + "/"):
+            return await handler(request)  # the console authenticates by its own session (shoal/console)
         try:
             if not request.secure:
                 tls.refuse_plaintext(request.remote or "", f"gateway {gateway.name} HTTP")
@@ -322,6 +325,7 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
             web.get("/openapi.json", openapi),
         ]
     )
+    console.mount(app, GatewayConsole(gateway))
     close, url = await _start(app, where, addr_file, open_port)
     gateway.http_url = url
     return close

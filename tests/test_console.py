@@ -1,0 +1,324 @@
+"""The web console (shoal/console), driven in Debian's real headless chromium through selenium, against real
+nodes and a gateway: log in with a token, find a sandbox in the list, open it, run a command in its
+terminal, read its trajectory, download a file, see a desktop's screen; another project sees none of it.
+
+Browser waits are explicit with long deadlines (a loaded 2-core machine is slow); no timing is asserted
+beyond generous bounds, the page-load figures are printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import requests
+from conftest import no_leftovers
+
+import shoal
+from shoal.cluster.local import LocalCluster
+from shoal.console import views
+from shoal.protocol import SandboxInfo
+
+WAIT_S = 120.0  # any one thing the browser waits for, on a slow loaded machine
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+# ---------------------------------------------------------------- fast: paging and filters, no browser
+
+
+class _Query(dict):
+    def getall(self, key: str, default: Any = ()) -> list[str]:
+        value = self.get(key)
+        return list(default) if value is None else [value]
+
+
+def _infos(count: int, now: float) -> list[dict[str, Any]]:
+    kinds = ("container", "microvm", "function")
+    return [
+        msgspec.to_builtins(
+            SandboxInfo(
+                id=f"n1-{i:06x}",
+                kind=kinds[i % 3],
+                image="debian",
+                state="paused" if i % 7 == 0 else "running",
+                labels={"run": f"r{i % 10}", "shoal.project": "alice" if i % 2 else "bob"},
+                created_at=now - i * 10,
+                expires_at=None if i % 5 == 0 else now + 3600 - i,
+                owner=f"user{i % 4}@host",
+                trajectory=f"t/{i}",
+                steps=i % 13,
+                last_active_at=now - i,
+                idle_timeout_s=1800.0,
+            )  # fmt: skip
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.mark.fast
+def test_paging_and_filters_are_done_on_the_server() -> None:
+    now = time.time()
+    infos = _infos(300, now)
+    first = views.page(infos, views.Filters.from_query(_Query(limit="25")), now)
+    assert first["total"] == 300 and len(first["items"]) == 25 and first["items"][0]["id"] == "n1-000000"
+    second = views.page(infos, views.Filters.from_query(_Query(limit="25", offset="25")), now)
+    assert second["items"][0]["id"] == "n1-000019" and not {r["id"] for r in first["items"]} & {
+        r["id"] for r in second["items"]
+    }
+    kind = views.page(infos, views.Filters.from_query(_Query(kind="microvm", limit="500")), now)
+    assert kind["total"] == 100 and {r["kind"] for r in kind["items"]} == {"microvm"}
+    owner = views.page(infos, views.Filters.from_query(_Query(owner="alice", limit="500")), now)
+    assert owner["total"] == 150 and all(r["project"] == "alice" for r in owner["items"])
+    young = views.page(infos, views.Filters.from_query(_Query(max_age="5m")), now)
+    assert young["total"] == 31  # created 0..300 s ago: i <= 30
+    assert views.page(infos, views.Filters.from_query(_Query(min_age="1h")), now)["total"] == 0  # all younger
+    assert views.page(infos, views.Filters.from_query(_Query(min_age="40m")), now)["total"] == 60  # 2400..2990 s
+    ending = views.page(infos, views.Filters.from_query(_Query(max_remaining="3500", sort="remaining")), now)
+    lefts = [r["remaining_s"] for r in ending["items"]]
+    assert lefts == sorted(lefts) and all(left <= 3500 for left in lefts) and ending["total"] > 0
+    with pytest.raises(shoal.InvalidRequestError, match="duration"):
+        views.Filters.from_query(_Query(min_age="soon"))
+    with pytest.raises(shoal.InvalidRequestError, match="key=value"):
+        views.Filters.from_query(_Query(label="novalue"))
+    assert views.Filters.from_query(_Query(limit="100000")).limit == views.PAGE_MAX
+
+
+@pytest.mark.fast
+def test_paging_query_cost_over_3000_sandboxes() -> None:
+    """What one page of the list costs the server with 3,000 sandboxes on the node (the `list` answer made
+    into builtins, filtered, sorted, cut and encoded); a real browser load is measured below."""
+    now = time.time()
+    structs = [msgspec.convert(i, SandboxInfo) for i in _infos(3000, now)]
+    times = []
+    for offset in (0, 1500, 2950, 0, 1500, 2950, 0, 1500, 2950, 100):
+        started = time.perf_counter()
+        infos = msgspec.to_builtins(structs)
+        answer = views.page(infos, views.Filters.from_query(_Query(offset=str(offset), limit="50", owner="alice")), now)
+        json.dumps(views.jsonable(answer))
+        times.append(time.perf_counter() - started)
+    p50 = statistics.median(times) * 1000
+    print(f"\nconsole paging query over 3,000 sandboxes: p50 {p50:.1f} ms, max {max(times) * 1000:.1f} ms")
+    assert answer["total"] == 1500
+    assert p50 < 2000  # generous: the target is a page in <= 300 ms; the figure is printed
+
+
+# ---------------------------------------------------------------- the browser against real nodes
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    lc = LocalCluster(tmp_path_factory.mktemp("console"), nodes=1, projects={"alice": {}, "bob": {}}, prefix="co")
+    try:
+        lc.add_gateway()
+        yield lc
+    finally:
+        lc.stop()
+    for node in lc.nodes:
+        assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
+@pytest.fixture(scope="module")
+def alice(cluster: LocalCluster) -> Iterator[shoal.Client]:
+    with shoal.Client(f"shoal://{cluster.gateways[0].address}", token=cluster.project_tokens["alice"]) as c:
+        yield c
+
+
+class Browser:
+    """One headless chromium (a fresh profile, downloads into `downloads`) and the waits the tests use."""
+
+    def __init__(self, workdir: Path) -> None:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+
+        self.downloads = workdir / "downloads"
+        self.downloads.mkdir()
+        options = webdriver.ChromeOptions()
+        options.binary_location = CHROMIUM
+        for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                     "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+                     f"--user-data-dir={workdir / 'profile'}", "--window-size=1400,1000"):  # fmt: skip
+            options.add_argument(flag)
+        options.add_experimental_option(
+            "prefs", {"download.default_directory": str(self.downloads), "download.prompt_for_download": False}
+        )
+        self.driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+        self.driver.set_page_load_timeout(WAIT_S)
+        self.driver.execute_cdp_cmd(
+            "Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(self.downloads)}
+        )
+
+    def until(self, condition: Callable[[Any], Any], what: str) -> Any:
+        from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        ignored = (NoSuchElementException, StaleElementReferenceException)  # the page redraws as data arrives
+        return WebDriverWait(self.driver, WAIT_S, 0.2, ignored).until(condition, message=what)
+
+    def css(self, selector: str) -> Any:
+        from selenium.webdriver.common.by import By
+
+        return self.until(lambda d: d.find_element(By.CSS_SELECTOR, selector), f"an element {selector}")
+
+    def click(self, selector: str) -> None:
+        from selenium.webdriver.common.by import By
+
+        self.until(lambda d: d.find_element(By.CSS_SELECTOR, selector).click() or True, f"to click {selector}")
+
+    def text(self, selector: str) -> str:
+        from selenium.webdriver.common.by import By
+
+        return self.until(lambda d: d.find_element(By.CSS_SELECTOR, selector).text, f"the text of {selector}")
+
+    def attribute(self, selector: str, name: str) -> str | None:
+        from selenium.webdriver.common.by import By
+
+        return self.until(
+            lambda d: [d.find_element(By.CSS_SELECTOR, selector).get_attribute(name)], f"{selector}'s {name}"
+        )[0]
+
+    def js(self, script: str, *args: Any) -> Any:
+        return self.driver.execute_script(script, *args)
+
+    def login(self, base: str, token: str) -> None:
+        self.driver.delete_all_cookies()
+        self.driver.get(base + "/console/#/")
+        self.css("#token").send_keys(token)
+        self.click("#login button")
+        self.until(lambda d: d.find_element("id", "nav").is_displayed(), "the console after logging in")
+
+    def close(self) -> None:
+        self.driver.quit()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with tempfile.TemporaryDirectory(prefix="shoal-console-browser-") as workdir:
+        b = Browser(Path(workdir))
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def _bases(cluster: LocalCluster) -> dict[str, str]:
+    return {"gateway": f"http://{cluster.gateways[0].http}", "node": f"http://{cluster.nodes[0].http}"}
+
+
+@pytest.mark.parametrize("where", ["gateway", "node"])
+def test_a_project_sees_its_sandbox_its_terminal_steps_and_files(
+    cluster: LocalCluster, alice: shoal.Client, browser: Browser, where: str
+) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.keys import Keys
+
+    base = _bases(cluster)[where]
+    tag = f"console-{where}"
+    with alice.create("container", image="debian", pool=False, ttl_s=900, labels={"t": tag}, trajectory=tag) as sb:
+        sb.exec("echo step-one")
+        sb.files.write(f"/{tag}.txt", b"downloaded through the console\n")
+        browser.login(base, cluster.project_tokens["alice"])
+        browser.driver.get(f"{base}/console/#/sandboxes?label=t%3D{tag}")
+        browser.css(f'#sandboxes tr[data-id="{sb.id}"] a')
+        assert browser.attribute("#sandboxes", "data-total") == "1"
+        browser.click(f'#sandboxes tr[data-id="{sb.id}"] a')
+        browser.until(lambda d: f"Sandbox {sb.id}" in d.find_element("css selector", "h1").text, "the sandbox page")
+        # its trajectory's steps, with their outputs
+        browser.until(lambda d: "echo step-one" in d.find_element("id", "steps").text, "the exec step")
+        assert "step-one" in browser.text("#steps")
+        # the terminal: a persistent shell over a websocket
+        browser.until(lambda d: d.find_element("id", "terminal").get_attribute("data-ready") == "1", "the shell")
+        browser.click("#terminal")
+
+        def lines() -> list[str]:
+            text = browser.js("return document.querySelector('#terminal .xterm-rows').innerText")
+            return [line.rstrip() for line in text.replace("\u00a0", " ").splitlines()]
+
+        ActionChains(browser.driver).send_keys("echo hi" + Keys.ENTER).perform()
+        browser.until(lambda _d: "hi" in lines(), "'hi' printed in the terminal")
+        for count, command in enumerate(("cd /tmp && pwd", "pwd"), start=1):  # each after the last one answered
+            ActionChains(browser.driver).send_keys(command + Keys.ENTER).perform()
+            browser.until(lambda _d, n=count: lines().count("/tmp") == n, f"the shell's answer to {command}")
+        # a file downloaded from the file browser
+        browser.click(f'#file-table tr[data-name="{tag}.txt"] a')
+        target = browser.downloads / f"{tag}.txt"
+        browser.until(lambda _d: target.exists() and target.read_bytes(), f"the download of {target.name}")
+        assert target.read_bytes() == b"downloaded through the console\n"
+        # the trajectory page and its JSONL export (the terminal's commands are steps too)
+        browser.driver.get(f"{base}/console/#/trajectory/{sb.id}")
+        browser.until(lambda d: "echo hi" in d.find_element("id", "steps").text, "the terminal's step in the log")
+        cookies = {c["name"]: c["value"] for c in browser.driver.get_cookies()}
+        url = f"{base}/console/api/trajectory/export"
+        export = requests.get(url, params={"target": tag}, cookies=cookies, timeout=60)
+        assert export.status_code == 200, export.text
+        steps = [json.loads(line) for line in export.text.splitlines()]
+        assert steps[0]["op"] == "exec" and steps[0]["result"]["stdout"] == "step-one\n"
+        assert any(s["op"] == "shell_run" and s["result"]["stdout"] == "hi\n" for s in steps)
+        # another project's token sees none of it
+        browser.login(base, cluster.project_tokens["bob"])
+        browser.driver.get(f"{base}/console/#/sandboxes?label=t%3D{tag}")
+        assert browser.attribute("#sandboxes", "data-total") == "0"
+        browser.driver.get(f"{base}/console/#/sandbox/{sb.id}")
+        browser.until(lambda d: "SandboxNotFoundError" in d.find_element("css selector", "p.error").text, "not found")
+        bob = {c["name"]: c["value"] for c in browser.driver.get_cookies()}
+        for path in (f"sandboxes/{sb.id}", f"sandboxes/{sb.id}/download?path=/{tag}.txt", f"trajectory?target={sb.id}"):
+            answer = requests.get(f"{base}/console/api/{path}", cookies=bob, timeout=60)
+            assert answer.status_code == 404, (path, answer.text)
+        assert requests.get(f"{base}/console/api/trajectory?target={tag}", cookies=bob, timeout=60).status_code == 404
+        # the cluster token sees it, and the overview counts it
+        browser.login(base, cluster.cluster_token)
+        browser.driver.get(f"{base}/console/#/sandboxes?label=t%3D{tag}")
+        browser.css(f'#sandboxes tr[data-id="{sb.id}"]')
+        browser.driver.get(f"{base}/console/#/")
+        browser.until(lambda d: "co1" in d.find_element("id", "nodes").text, "the node in the overview")
+        assert "container" in browser.text("#kinds")
+    # no token, a wrong token: nothing
+    assert requests.get(f"{base}/console/api/sandboxes", timeout=60).status_code == 401
+    wrong = requests.post(f"{base}/console/api/login", json={"token": "nope"}, timeout=60)
+    assert wrong.status_code == 401 and "unknown token" in wrong.json()["message"]
+
+
+def test_a_desktop_sandbox_shows_its_screen(cluster: LocalCluster, alice: shoal.Client, browser: Browser) -> None:
+    base = _bases(cluster)["gateway"]
+    with alice.create("container", image="desktop", screen=(800, 600), pool=False, ttl_s=900) as sb:
+        browser.login(base, cluster.project_tokens["alice"])
+        browser.driver.get(f"{base}/console/#/sandbox/{sb.id}")
+        browser.click("#take-screenshot")
+        browser.until(
+            lambda _d: browser.js("const i = document.getElementById('screenshot'); return i && i.naturalWidth") == 800,
+            "the screenshot, 800 pixels wide",
+        )
+        assert browser.js("return document.getElementById('screenshot').naturalHeight") == 600
+
+
+def test_the_list_page_loads_in_time_with_many_sandboxes(
+    cluster: LocalCluster, alice: shoal.Client, browser: Browser
+) -> None:
+    """As many sandboxes as is reasonable here (creating 3,000 takes minutes on this machine: the paging
+    query over 3,000 is measured above); the page load from navigation to a rendered page is printed."""
+    count = int(os.environ.get("SHOAL_CONSOLE_TEST_SANDBOXES", "60"))
+    made = alice.create_many(count, "container", image="busybox", ttl_s=900, labels={"bulk": "1"})
+    try:
+        sandboxes = [m for m in made if isinstance(m, shoal.Sandbox)]
+        assert len(sandboxes) == count, [m for m in made if not isinstance(m, shoal.Sandbox)][:3]
+        for where, base in _bases(cluster).items():
+            browser.login(base, cluster.cluster_token)
+            loads = []
+            for offset in (0, 20, 40, 0, 20, 40):
+                browser.driver.get(f"{base}/console/?o={offset}#/sandboxes?label=bulk%3D1&limit=20&offset={offset}")
+                browser.css('#sandboxes[data-loaded="1"]')
+                assert browser.attribute("#sandboxes", "data-total") == str(count)
+                loads.append(browser.js("return window.__shoalRendered"))
+            print(f"\nconsole list page ({where}, {count} sandboxes, 20 a page): load to rendered p50 "
+                  f"{statistics.median(loads):.0f} ms, max {max(loads):.0f} ms")  # fmt: skip
+            assert statistics.median(loads) < 20_000  # generous: a loaded 2-core machine; the figure is printed
+    finally:
+        alice.close_all(labels={"bulk": "1"})
