@@ -2,6 +2,7 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
+# chromium + chromium-driver: tests/test_console.py drives the web console in Debian's headless chromium (selenium)
 APT_PACKAGES := crun runc runsc bubblewrap mmdebstrap busybox-static erofs-utils iproute2 nftables e2fsprogs \
 	qemu-system-x86 qemu-utils gcc libc6-dev make psmisc procps file util-linux \
 	skopeo umoci docker-registry openssl chromium chromium-driver

@@ -9,7 +9,6 @@ beyond generous bounds, the page-load figures are printed.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -286,6 +285,25 @@ def test_a_project_sees_its_sandbox_its_terminal_steps_and_files(
     assert wrong.status_code == 401 and "unknown token" in wrong.json()["message"]
 
 
+def test_shoal_console_prints_its_url(cluster: LocalCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    from shoal.cli import main
+
+    node, gateway = cluster.nodes[0], cluster.gateways[0]
+    for argv, address in (
+        (["--home", str(node.home), "console"], node.http),
+        (["console", "--http", gateway.http], gateway.http),
+    ):
+        assert main(argv) == 0
+        url = capsys.readouterr().out.strip()
+        assert url == f"http://{address}/console/"
+        page = requests.get(url, timeout=60)
+        assert page.status_code == 200 and "<title>shoal console</title>" in page.text
+        assert "default-src 'self'" in page.headers["Content-Security-Policy"]
+        assert requests.get(url + "static/vendor/xterm/xterm.mjs", timeout=60).status_code == 200
+    assert main(["--home", str(cluster.workdir), "console"]) == 1  # no node there: it says how to get one
+    assert "SHOAL_HTTP" in capsys.readouterr().err
+
+
 def test_a_desktop_sandbox_shows_its_screen(cluster: LocalCluster, alice: shoal.Client, browser: Browser) -> None:
     base = _bases(cluster)["gateway"]
     with alice.create("container", image="desktop", screen=(800, 600), pool=False, ttl_s=900) as sb:
@@ -304,7 +322,7 @@ def test_the_list_page_loads_in_time_with_many_sandboxes(
 ) -> None:
     """As many sandboxes as is reasonable here (creating 3,000 takes minutes on this machine: the paging
     query over 3,000 is measured above); the page load from navigation to a rendered page is printed."""
-    count = int(os.environ.get("SHOAL_CONSOLE_TEST_SANDBOXES", "60"))
+    count = 60
     made = alice.create_many(count, "container", image="busybox", ttl_s=900, labels={"bulk": "1"})
     try:
         sandboxes = [m for m in made if isinstance(m, shoal.Sandbox)]
