@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import shutil
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import pytest
 
 from shoal.guest import AgentClient, AgentError, ExecProcess, ExitInfo, agent_binary_path
+from shoal.guest.client import Attached, BackgroundStatus, control_frames
 from shoal.protocol import cut_marker
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
@@ -531,3 +533,117 @@ async def test_port_relay(agent: Agent) -> None:
         await agent.client.open_port(port)  # nothing listens there any more
     with pytest.raises(ValueError):
         await agent.client.open_port(70000)
+
+
+# --------------------------------------------------------------------------- background processes (procs.c)
+
+
+async def _drain(attached: Attached) -> tuple[bytes, bytes]:
+    out, err = bytearray(), bytearray()
+    while (item := await attached.next()) is not None:
+        (out if item[0] == "stdout" else err).extend(item[1])
+    return bytes(out), bytes(err)
+
+
+async def _read(agent: Agent, id: int, offsets: tuple[int, int] = (0, 0)) -> tuple[bytes, bytes, BackgroundStatus]:
+    out, err = await _drain(await agent.client.attach(id, Attached.READ, offsets))
+    status = await agent.client.control(id, b"")
+    return out, err, status
+
+
+async def test_background_outlives_its_connection_and_takes_stdin(agent: Agent) -> None:
+    script = 'echo ready; while read line; do echo "got $line"; echo "err $line" >&2; done; echo bye; exit 7'
+    pid, id = await agent.client.background(["sh", "-c", script], env=ENV)
+    assert pid > 0 and id > 0 and id != pid
+    assert os.path.exists(f"/proc/{pid}")  # the starting connection is closed: the process still runs
+    attached = await agent.client.attach(id, Attached.READ)
+    assert attached.pid == pid and not attached.pty
+
+    async def output(offsets: tuple[int, int] = (0, 0)) -> tuple[bytes, bytes]:
+        return await _drain(await agent.client.attach(id, Attached.READ, offsets))
+
+    await attached.close()
+    status = await agent.client.control(id, control_frames(stdin=b"one\ntwo\n"))
+    assert status.running
+    deadline = time.monotonic() + 10
+    while (await output())[0] != b"ready\ngot one\ngot two\n" and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    out, err = await output()
+    assert out == b"ready\ngot one\ngot two\n" and err == b"err one\nerr two\n"
+    assert await output((len(b"ready\n"), len(b"err one\n"))) == (b"got one\ngot two\n", b"err two\n")
+    # a follower sees the rest live, then the exit status; a late reader still gets it (the keeper lingers)
+    follower = await agent.client.attach(id, Attached.FOLLOW, (len(out), len(err)))
+    await follower.send(control_frames(stdin=b"three\n", eof=True))
+    assert await _drain(follower) == (b"got three\nbye\n", b"err three\n")
+    assert follower.status is not None and not follower.status.running and follower.status.exit_code == 7
+    assert follower.offsets == [follower.status.stdout_offset, follower.status.stderr_offset]
+    late = await agent.client.control(id, b"")
+    assert (late.running, late.exit_code, late.stdout_offset) == (
+        False,
+        7,
+        len(b"ready\ngot one\ngot two\ngot three\nbye\n"),
+    )
+    listed = {e.id: e for e in await agent.client.background_list()}
+    assert listed[id].pid == pid and not listed[id].running and listed[id].exit_code == 7
+
+
+async def test_background_signal_kills_its_tree_and_list(agent: Agent) -> None:
+    arg = unique_sleep_arg()
+    pid, id = await agent.client.background(["sh", "-c", f"sleep {arg} & sleep {arg}; echo never"], env=ENV)
+    try:
+        assert await wait_for(lambda: len(procs_with_arg(arg)) == 2, 10)
+        (entry,) = [e for e in await agent.client.background_list() if e.id == id]
+        assert entry.running and entry.pid == pid and not entry.pty
+        await agent.client.control(id, control_frames(signal=signal.SIGTERM))
+        follower = await agent.client.attach(id, Attached.FOLLOW)
+        assert await _drain(follower) == (b"", b"")
+        assert follower.status is not None and follower.status.signal == signal.SIGTERM
+        assert follower.status.exit_code == 128 + signal.SIGTERM
+        assert await wait_for(lambda: not procs_with_arg(arg), 10)  # the whole tree, not just its leader
+    finally:
+        for p in procs_with_arg(arg):
+            os.kill(p, signal.SIGKILL)
+
+
+async def test_background_ring_keeps_the_newest_output(agent: Agent) -> None:
+    _, id = await agent.client.background(
+        ["sh", "-c", "head -c 20000 /dev/zero | tr '\\0' a; printf END"], env=ENV, ring_bytes=4096
+    )
+    follower = await agent.client.attach(id, Attached.FOLLOW)
+    await _drain(follower)
+    out, _ = await _drain(await agent.client.attach(id, Attached.READ))
+    marker = cut_marker(20003 - 4096)  # the ring holds the last 4096 bytes; what came before is counted
+    assert out.startswith(marker) and out[len(marker) :] == b"a" * (4096 - 3) + b"END"
+
+
+async def test_background_terminal_size_and_resize(agent: Agent) -> None:
+    script = "stty size; trap 'stty size' WINCH; echo ready; while :; do sleep 0.05; done"
+    pid, id = await agent.client.background(["sh", "-c", script], env=ENV, size=(24, 80))
+    try:
+        follower = await agent.client.attach(id, Attached.FOLLOW)
+        assert follower.pty
+        seen = bytearray()
+        while b"ready" not in seen:
+            item = await asyncio.wait_for(follower.next(), 10)
+            assert item is not None
+            seen.extend(item[1])
+        assert b"24 80\r\n" in seen  # a terminal: newlines come back as CR LF
+        await follower.send(control_frames(size=(40, 132)))
+        while b"40 132" not in seen:
+            item = await asyncio.wait_for(follower.next(), 10)
+            assert item is not None
+            seen.extend(item[1])
+        out = await agent.client.control(id, control_frames(stdin=b"x"))
+        assert out.running
+        await agent.client.control(id, control_frames(signal=signal.SIGKILL))
+        assert await _drain(follower) is not None
+        assert follower.status is not None and follower.status.signal == signal.SIGKILL
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def test_attach_to_unknown_background_process(agent: Agent) -> None:
+    with pytest.raises(AgentError) as info:
+        await agent.client.attach(agent.proc.pid, Attached.READ)
+    assert info.value.errno == errno.ESRCH

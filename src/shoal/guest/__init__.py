@@ -21,13 +21,14 @@ __all__ = [
 
 _DIR = Path(__file__).resolve().parent
 _SOURCE = _DIR / "agent.c"
+_SOURCES = (_SOURCE, _DIR / "procs.c")  # agent.c includes procs.c: one translation unit
 _BINARY = _DIR / "shoal-agent"
 
 
 def agent_binary_path() -> str:
     """Path of the static ``shoal-agent`` binary, (re)building it with gcc if stale."""
     try:
-        if _BINARY.stat().st_mtime >= _SOURCE.stat().st_mtime:
+        if _BINARY.stat().st_mtime >= max(src.stat().st_mtime for src in _SOURCES):
             return str(_BINARY)
     except FileNotFoundError:
         if not _SOURCE.exists():

@@ -19,6 +19,7 @@
 #include <grp.h>
 #include <limits.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -90,9 +91,12 @@ static void kill_tree(int sig);
 #define SLOT_HANDLER 1
 #define SLOT_EXEC 2
 #define SLOT_RESERVE 3
+#define SLOT_BG 4 /* the keeper of a background process (procs.c), which outlives its connection */
 struct slot {
     int pid;
     int kind;
+    int cmd, status, pty; /* SLOT_BG: the command, its wait status (-1: running), a terminal or not */
+    uint64_t total[2];    /* SLOT_BG: bytes of stdout and stderr (or the terminal's output) so far */
 };
 static struct slot *slots = NULL;
 
@@ -351,6 +355,22 @@ static void reap_children(void) {
     }
 }
 
+/* A process's state and parent from /proc/<pid>/stat; -1 if it is gone (or unreadable). */
+static int read_stat(int pid, char *state, int *ppid) {
+    char path[64], buf[512];
+    snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t r = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (r <= 0)
+        return -1;
+    buf[r] = 0;
+    char *rp = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
+    return rp && sscanf(rp + 1, " %c %d", state, ppid) == 2 ? 0 : -1;
+}
+
 /* Signal every live descendant of this process; returns how many. */
 static int kill_descendants(int sig) {
     DIR *d = opendir("/proc");
@@ -370,21 +390,9 @@ static int kill_descendants(int sig) {
     while ((e = readdir(d))) {
         if (e->d_name[0] < '1' || e->d_name[0] > '9')
             continue;
-        char path[64], buf[256];
-        int pid = atoi(e->d_name);
-        snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0)
-            continue;
-        ssize_t r = read(fd, buf, sizeof(buf) - 1);
-        close(fd);
-        if (r <= 0)
-            continue;
-        buf[r] = 0;
-        char *rp = strrchr(buf, ')');
+        int pid = atoi(e->d_name), ppid;
         char state;
-        int ppid;
-        if (!rp || sscanf(rp + 1, " %c %d", &state, &ppid) != 2)
+        if (read_stat(pid, &state, &ppid) < 0)
             continue;
         if (n == cap) {
             cap *= 2;
@@ -468,6 +476,9 @@ static void slots_init(void) {
 static void slot_add(pid_t pid, int kind) {
     for (int i = 0; slots && i < AGENT_SLOTS; i++) {
         if (__atomic_load_n(&slots[i].pid, __ATOMIC_SEQ_CST) == 0) {
+            slots[i].cmd = slots[i].pty = 0;
+            slots[i].status = -1;
+            slots[i].total[0] = slots[i].total[1] = 0;
             __atomic_store_n(&slots[i].kind, kind, __ATOMIC_SEQ_CST);
             __atomic_store_n(&slots[i].pid, (int)pid, __ATOMIC_SEQ_CST);
             return;
@@ -509,6 +520,10 @@ static pid_t agent_fork(int kind) {
     pid_t pid = fork();
     if (pid > 0)
         slot_add(pid, kind);
+    /* The child waits until main has recorded it: what it marks in its slot (slot_mark_self) and who it
+       claims to be to a background process's keeper (procs.c) depend on that record. */
+    for (int i = 0; pid == 0 && slots && i < 100000 && slot_kind(getpid()) == 0; i++)
+        sched_yield();
     sigprocmask(SIG_SETMASK, &old, NULL);
     return pid;
 }
@@ -542,21 +557,9 @@ static struct proc *scan_procs(size_t *count) {
     while (ps && (e = readdir(d))) {
         if (e->d_name[0] < '1' || e->d_name[0] > '9')
             continue;
-        char path[64], buf[512];
-        int pid = atoi(e->d_name);
-        snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0)
-            continue;
-        ssize_t r = read(fd, buf, sizeof(buf) - 1);
-        close(fd);
-        if (r <= 0)
-            continue;
-        buf[r] = 0;
-        char *rp = strrchr(buf, ')');
+        int pid = atoi(e->d_name), ppid;
         char state;
-        int ppid;
-        if (!rp || sscanf(rp + 1, " %c %d", &state, &ppid) != 2)
+        if (read_stat(pid, &state, &ppid) < 0)
             continue;
         if (n == cap) {
             struct proc *np = realloc(ps, cap * 2 * sizeof(*ps));
@@ -699,7 +702,7 @@ static void do_list_procs(void) {
                 r--;
         }
         cmd[r] = 0;
-        int exec = slot_kind(ps[i].top) == SLOT_EXEC ? ps[i].top : 0;
+        int top_kind = slot_kind(ps[i].top), exec = top_kind == SLOT_EXEC || top_kind == SLOT_BG ? ps[i].top : 0;
         put_u32(out + len, (uint32_t)ps[i].pid);
         put_u32(out + len + 4, (uint32_t)ps[i].ppid);
         put_u32(out + len + 8, (uint32_t)exec);
@@ -846,6 +849,8 @@ static void exec_child(const char *cwd, uint32_t uid, uint32_t gid, int in_rd, i
     /* All source fds are > 2 (fds 0-2 are always open) and CLOEXEC. */
     if (dup2(in_rd, 0) < 0 || dup2(out_wr, 1) < 0 || dup2(err_wr, 2) < 0)
         _exit(127);
+    if (isatty(0)) /* a background process on a terminal (procs.c): it becomes the session's */
+        ioctl(0, TIOCSCTTY, 0);
     struct sigaction sa;
     memset(&sa, 0, sizeof(sa));
     sa.sa_handler = SIG_DFL;
@@ -926,38 +931,60 @@ static void tail_send(struct tail *t, int k) {
     t->buf = NULL;
 }
 
-static void do_exec(const unsigned char *pl, uint32_t plen) {
-    struct cur c = {pl, plen, 0};
-    uint32_t cap = get_u32(&c), uid = get_u32(&c), gid = get_u32(&c), flags = get_u32(&c);
-    const char *cwd = get_str(&c);
-    uint32_t argc = get_u32(&c);
-    if (c.bad || argc == 0 || argc > plen) {
+/* An exec request: u32 cap, u32 uid, u32 gid, u32 flags, cwd\0, u32 argc, argv\0..., u32 envc, env\0...
+ * (a background start, procs.c, adds its terminal size after).  The strings point into the payload. */
+struct exec_req {
+    uint32_t cap, uid, gid, flags;
+    const char *cwd;
+    char **argv, **envp;
+};
+
+/* Parse an exec request into `r`; the cursor stays past it.  Answers 'Z' and returns -1 if malformed. */
+static int parse_exec(struct cur *c, struct exec_req *r, uint32_t plen) {
+    r->cap = get_u32(c);
+    r->uid = get_u32(c);
+    r->gid = get_u32(c);
+    r->flags = get_u32(c);
+    r->cwd = get_str(c);
+    uint32_t argc = get_u32(c);
+    if (c->bad || argc == 0 || argc > plen) {
         send_err(EINVAL, "exec: malformed request");
-        return;
+        return -1;
     }
-    char **argv = calloc((size_t)argc + 1, sizeof(char *));
-    if (!argv) {
+    r->argv = calloc((size_t)argc + 1, sizeof(char *));
+    if (!r->argv) {
         send_err(ENOMEM, "exec: out of memory");
-        return;
+        return -1;
     }
     for (uint32_t i = 0; i < argc; i++)
-        argv[i] = (char *)get_str(&c);
-    uint32_t envc = get_u32(&c);
-    if (c.bad || envc > plen) {
+        r->argv[i] = (char *)get_str(c);
+    uint32_t envc = get_u32(c);
+    if (c->bad || envc > plen) {
         send_err(EINVAL, "exec: malformed request");
-        return;
+        return -1;
     }
-    char **envp = calloc((size_t)envc + 1, sizeof(char *));
-    if (!envp) {
+    r->envp = calloc((size_t)envc + 1, sizeof(char *));
+    if (!r->envp) {
         send_err(ENOMEM, "exec: out of memory");
-        return;
+        return -1;
     }
     for (uint32_t i = 0; i < envc; i++)
-        envp[i] = (char *)get_str(&c);
-    if (c.bad) {
+        r->envp[i] = (char *)get_str(c);
+    if (c->bad) {
         send_err(EINVAL, "exec: malformed request");
-        return;
+        return -1;
     }
+    return 0;
+}
+
+static void do_exec(const unsigned char *pl, uint32_t plen) {
+    struct cur c = {pl, plen, 0};
+    struct exec_req rq;
+    if (parse_exec(&c, &rq, plen) < 0)
+        return;
+    uint32_t cap = rq.cap, uid = rq.uid, gid = rq.gid, flags = rq.flags;
+    const char *cwd = rq.cwd;
+    char **argv = rq.argv, **envp = rq.envp;
 
     int merge = (flags & EXEC_MERGE_STDERR) != 0;
     int outp[2] = {-1, -1}, errp[2] = {-1, -1}, inp[2] = {-1, -1};
@@ -2219,6 +2246,7 @@ static void do_forward(const unsigned char *pl, uint32_t plen) {
     }
     close(s);
 }
+#include "procs.c" /* background processes and terminals: B, A, J */
 
 static void handle(int fd) {
     conn = fd;
@@ -2273,6 +2301,15 @@ static void handle(int fd) {
         break;
     case 'F':
         do_forward(req, n);
+        break;
+    case 'B':
+        do_background(req, n);
+        break;
+    case 'A':
+        do_attach(req, n);
+        break;
+    case 'J':
+        do_list_bg();
         break;
     default:
         send_err(EINVAL, "unknown request type 0x%02x", (unsigned char)type);

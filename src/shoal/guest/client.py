@@ -16,7 +16,18 @@ from dataclasses import dataclass
 
 from shoal.protocol import cut_marker
 
-__all__ = ["AgentClient", "AgentError", "ExecProcess", "ExitInfo", "FileEntry", "ProcessEntry"]
+__all__ = [
+    "AgentClient",
+    "AgentError",
+    "Attached",
+    "BackgroundEntry",
+    "BackgroundStatus",
+    "ExecProcess",
+    "ExitInfo",
+    "FileEntry",
+    "ProcessEntry",
+    "control_frames",
+]
 
 MAX_FRAME = 16 << 20
 _CHUNK = 1 << 20
@@ -248,6 +259,108 @@ class ExecProcess:
         await self.close()
 
 
+def _exec_payload(
+    argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int, cap: int, stdin_pipe: bool, merge: bool
+) -> bytes:
+    """An exec request ('E', and the start of a background one, 'B'): see parse_exec in agent.c."""
+    if not argv:
+        raise ValueError("argv must not be empty")
+    if not 0 <= cap < 1 << 32:
+        raise ValueError("cap_bytes must fit in 32 bits (0 = unlimited)")
+    flags = (EXEC_STDIN_PIPE if stdin_pipe else 0) | (EXEC_MERGE_STDERR if merge else 0)
+    parts = [struct.pack(">IIII", cap, uid, gid, flags), _cstr(cwd), _U32.pack(len(argv))]
+    parts += [_cstr(a) for a in argv]
+    parts.append(_U32.pack(len(env)))
+    for key, value in env.items():
+        if "=" in key or not key:
+            raise ValueError(f"invalid environment variable name {key!r}")
+        parts.append(_cstr(f"{key}={value}"))
+    return b"".join(parts)
+
+
+@dataclass(frozen=True)
+class BackgroundStatus:
+    """Where a background process's output stands (its totals: the offsets to read on from), and how it
+    ended (exit_code and signal are meaningful once running is False)."""
+
+    stdout_offset: int
+    stderr_offset: int
+    running: bool
+    exit_code: int
+    signal: int
+
+
+@dataclass(frozen=True)
+class BackgroundEntry:
+    """A background process the agent keeps (procs.c): `id` is its keeper's pid, which names it."""
+
+    id: int
+    pid: int
+    running: bool
+    exit_code: int
+    signal: int
+    pty: bool
+    stdout_total: int
+    stderr_total: int
+
+
+def control_frames(
+    *, stdin: bytes = b"", eof: bool = False, signal: int | None = None, size: tuple[int, int] | None = None
+) -> bytes:
+    """Frames for a background process: stdin bytes, close stdin, a signal, a terminal size (rows, cols)."""
+    view, parts = memoryview(stdin), []
+    for off in range(0, len(view), _CHUNK):
+        parts.append(_frame(b"I", bytes(view[off : off + _CHUNK])))
+    if eof:
+        parts.append(_frame(b"C"))
+    if signal is not None:
+        parts.append(_frame(b"K", _U32.pack(signal)))
+    if size is not None:
+        parts.append(_frame(b"W", struct.pack(">HH", *size)))
+    return b"".join(parts)
+
+
+class Attached:
+    """A connection to a background process's keeper: its output from the offsets asked for, then its
+    status; while following, input, signals and resizes go the same way."""
+
+    READ, FOLLOW, CONTROL = 0, 1, 2
+
+    def __init__(self, conn: _Conn, pid: int, id: int, pty: bool, offsets: tuple[int, int]) -> None:
+        self._conn = conn
+        self.pid, self.id, self.pty = pid, id, pty
+        self.offsets = list(offsets)  # where each stream continues
+        self.status: BackgroundStatus | None = None
+
+    async def next(self) -> tuple[str, bytes] | None:
+        """The next ("stdout"|"stderr", chunk); None once the status came (then in `status`)."""
+        while self.status is None:
+            kind, payload = await self._conn.expect(b"O", b"R", b"Q", b"Y")
+            if kind in (ord("O"), ord("R")):
+                k = int(kind == ord("R"))
+                self.offsets[k] += len(payload)
+                return ("stderr" if k else "stdout"), payload
+            if kind == ord("Q"):  # the ring no longer holds what came before: the stream continues there
+                k, offset = _CUT.unpack_from(payload)
+                omitted = offset - self.offsets[k]
+                self.offsets[k] = offset
+                return ("stderr" if k else "stdout"), cut_marker(omitted)
+            self.status = BackgroundStatus(*_BG_STATUS.unpack_from(payload))
+            await self.close()
+        return None
+
+    async def send(self, frames: bytes) -> None:
+        await self._conn.send(frames)
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+
+_BG_STATUS = struct.Struct(">QQ?ii")
+_BG_ENTRY = struct.Struct(">II?ii?QQ")
+_ATTACH = struct.Struct(">IBQQ")
+
+
 class AgentClient:
     """Client for one agent socket."""
 
@@ -326,19 +439,8 @@ class AgentClient:
         merge_stderr: bool = False,
     ) -> ExecProcess:
         """Start ``argv``; the caller must read output until None and close the process."""
-        if not argv:
-            raise ValueError("argv must not be empty")
-        if not 0 <= cap_bytes < 1 << 32:
-            raise ValueError("cap_bytes must fit in 32 bits (0 = unlimited)")
-        flags = (EXEC_STDIN_PIPE if stdin_pipe else 0) | (EXEC_MERGE_STDERR if merge_stderr else 0)
-        parts = [struct.pack(">IIII", cap_bytes, uid, gid, flags), _cstr(cwd), _U32.pack(len(argv))]
-        parts += [_cstr(a) for a in argv]
-        parts.append(_U32.pack(len(env)))
-        for key, value in env.items():
-            if "=" in key or not key:
-                raise ValueError(f"invalid environment variable name {key!r}")
-            parts.append(_cstr(f"{key}={value}"))
-        conn = await self._request(b"E", b"".join(parts))
+        payload = _exec_payload(argv, env, cwd, uid, gid, cap_bytes, stdin_pipe, merge_stderr)
+        conn = await self._request(b"E", payload)
         try:
             _, payload = await conn.expect(b"P")
         except BaseException:
@@ -346,6 +448,62 @@ class AgentClient:
             raise
         handler = _U32.unpack_from(payload, 4)[0] if len(payload) >= 8 else None  # older agents: pid only
         return ExecProcess(conn, _U32.unpack_from(payload)[0], handler)
+
+    async def background(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str = "/",
+        uid: int = 0,
+        gid: int = 0,
+        ring_bytes: int = 1 << 20,
+        stdin_pipe: bool = True,
+        merge_stderr: bool = False,
+        size: tuple[int, int] | None = None,
+    ) -> tuple[int, int]:
+        """Start ``argv`` as a background process (on a terminal of ``size`` = (rows, cols) if given), which
+        outlives this connection; returns (pid, id). Its output is kept in rings of ``ring_bytes`` per stream."""
+        rows, cols = size or (0, 0)
+        if size is not None and not (0 < rows < 1 << 16 and 0 < cols < 1 << 16):
+            raise ValueError(f"terminal size must be 1..65535 rows and columns, not {size}")
+        payload = _exec_payload(argv, env, cwd, uid, gid, ring_bytes, stdin_pipe, merge_stderr)
+        payload += _U32.pack(rows << 16 | cols)
+        conn = await self._request(b"B", payload)
+        try:
+            _, reply = await conn.expect(b"P")
+        finally:
+            await conn.close()
+        pid, keeper = struct.unpack_from(">II", reply)
+        return pid, keeper
+
+    async def attach(self, id: int, mode: int, offsets: tuple[int, int] = (0, 0), frames: bytes = b"") -> Attached:
+        """Connect to background process `id` (Attached.READ, FOLLOW or CONTROL), sending `frames` first."""
+        conn = await self._request(b"A", _ATTACH.pack(id, mode, *offsets) + frames)
+        try:
+            _, payload = await conn.expect(b"P")
+        except BaseException:
+            await conn.close()
+            raise
+        pid, keeper, pty = struct.unpack_from(">II?", payload)
+        return Attached(conn, pid, keeper, pty, offsets)
+
+    async def control(self, id: int, frames: bytes) -> BackgroundStatus:
+        """Send `frames` (control_frames) to background process `id`; its status once they were taken."""
+        attached = await self.attach(id, Attached.CONTROL, frames=frames)
+        try:
+            while await attached.next() is not None:
+                pass
+        finally:
+            await attached.close()
+        assert attached.status is not None
+        return attached.status
+
+    async def background_list(self) -> list[BackgroundEntry]:
+        """The background processes the agent keeps (running, or ended and not yet collected)."""
+        payload = await self._simple(b"J", b"")
+        count = _U32.unpack_from(payload)[0]
+        return [BackgroundEntry(*_BG_ENTRY.unpack_from(payload, 4 + i * _BG_ENTRY.size)) for i in range(count)]
 
     async def read_file(self, path: str, max_bytes: int = 64 << 20) -> bytes:
         """Return the contents of ``path``; errors if it is larger than ``max_bytes``."""
