@@ -223,6 +223,7 @@ def test_a_project_sees_its_sandbox_its_terminal_steps_and_files(
     tag = f"console-{where}"
     with alice.create("container", image="debian", pool=False, ttl_s=900, labels={"t": tag}, trajectory=tag) as sb:
         sb.exec("echo step-one")
+        sb.exec("sleep 600 >/dev/null 2>&1 &")
         sb.files.write(f"/{tag}.txt", b"downloaded through the console\n")
         browser.login(base, cluster.project_tokens["alice"])
         browser.driver.get(f"{base}/console/#/sandboxes?label=t%3D{tag}")
@@ -230,6 +231,8 @@ def test_a_project_sees_its_sandbox_its_terminal_steps_and_files(
         assert browser.attribute("#sandboxes", "data-total") == "1"
         browser.click(f'#sandboxes tr[data-id="{sb.id}"] a')
         browser.until(lambda d: f"Sandbox {sb.id}" in d.find_element("css selector", "h1").text, "the sandbox page")
+        assert "MiB" in browser.text("#usage")  # memory charged, from its cgroup
+        assert "sleep 600" in browser.text("#processes")  # what its exec left running
         # its trajectory's steps, with their outputs
         browser.until(lambda d: "echo step-one" in d.find_element("id", "steps").text, "the exec step")
         assert "step-one" in browser.text("#steps")

@@ -152,6 +152,7 @@ ARGS: dict[str, Args] = {
     "close_all": lambda c, sb, x: {"labels": NOWHERE},
     "keepalive": lambda c, sb, x: {"sandbox_id": sb, "ttl_s": 900},
     "processes": lambda c, sb, x: {"sandbox_id": sb},
+    "usage": lambda c, sb, x: {"sandbox_id": sb},
     "kill_processes": lambda c, sb, x: {"sandbox_id": sb, "exec_id": 999999},  # no such exec: kills nothing
     "pause": lambda c, sb, x: {"sandbox_id": sb},
     "resume": lambda c, sb, x: {"sandbox_id": sb},
@@ -270,6 +271,8 @@ def test_every_operation_through_every_way_in(
         assert result["source"] == sandbox and result["sandbox_id"] != sandbox
     if name == "exec":
         assert result["stdout"] == b"ops\n"
+    if name == "usage":
+        assert result["memory_bytes"] > 0 and result["pids"] >= 1 and result["cpu_s"] >= 0, result
     if name == "file_read":
         assert result == b"read me"
     if name == "fn_call":

@@ -139,3 +139,17 @@ def test_killing_the_agents_helpers_from_inside_loses_nothing(client: shoal.Clie
         assert sb.kill_processes()["left"] == 0
         _until_empty(sb)
         assert sb.exec("echo answers", timeout=60).stdout == "answers\n"
+
+
+def test_usage_reads_the_cgroup_and_leaves_a_paused_sandbox_paused(client: shoal.Client) -> None:
+    with client.create("container", image="debian", pool=False, ttl_s=300, memory_mb=256) as sb:
+        before = sb.usage()
+        assert before["state"] == "ready" and before["memory_bytes"] > 0 and before["pids"] >= 1, before
+        sb.exec("python3 -c 'import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass'")
+        sb.exec("sleep 60 &")
+        after = sb.usage()
+        assert after["cpu_s"] >= before["cpu_s"] + 0.4, (before, after)  # the 0.5 s of CPU it burned
+        assert after["pids"] > before["pids"], (before, after)  # the sleep left running
+        sb.pause()
+        assert sb.usage()["state"] == "paused"  # asking did not resume it
+        assert client.get(sb.id).info.state == "paused"

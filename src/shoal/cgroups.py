@@ -86,6 +86,36 @@ def pids_current(path: str) -> int | None:
         return None
 
 
+def memory_current(path: str) -> int | None:
+    """Bytes charged to the cgroup's memory now (memory.current; v1 memory.usage_in_bytes), or None."""
+    rel = path.lstrip("/")
+    file = ROOT / rel / "memory.current" if layout() == "v2" else ROOT / "memory" / rel / "memory.usage_in_bytes"
+    try:
+        return int(file.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_seconds(path: str) -> float | None:
+    """CPU time the cgroup's tasks have used, in seconds (v2 cpu.stat usage_usec; v1 cpuacct.usage), or None."""
+    rel = path.lstrip("/")
+    try:
+        if layout() == "v2":
+            for line in (ROOT / rel / "cpu.stat").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "usage_usec":
+                    return int(value) / 1e6
+            return None
+        return int((ROOT / "cpuacct" / rel / "cpuacct.usage").read_text()) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+def usage(path: str) -> dict[str, int | float | None]:
+    """What the cgroup uses now: memory charged (bytes), CPU time (s), tasks; None for what cannot be read."""
+    return {"memory_bytes": memory_current(path), "cpu_s": cpu_seconds(path), "pids": pids_current(path)}
+
+
 def procs(path: str) -> list[int]:
     found: set[int] = set()
     for directory in sandbox_dirs(path):

@@ -146,6 +146,9 @@ _op("keepalive", SANDBOX, {"sandbox_id": str, "ttl_s": (float | None, None)}, Sa
     "Push the TTL deadline out by ttl_s from now.", retry=True)
 _op("processes", SANDBOX, {"sandbox_id": str}, list[JSON],
     "Processes in a sandbox but its agent's, each with the exec that started it (exec_id).", retry=True)
+_op("usage", SANDBOX, {"sandbox_id": str}, JSON,
+    "What a sandbox uses now, from its cgroup: memory charged, CPU seconds, tasks (a paused one is not resumed).",
+    retry=True)
 _op("kill_processes", SANDBOX, {"sandbox_id": str, "exec_id": (int | None, None)}, dict[str, int],
     "SIGKILL what one exec left running (exec_id), or every process but the agent's; works at the pids limit.",
     retry=True)

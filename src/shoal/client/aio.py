@@ -766,6 +766,11 @@ class AsyncSandbox:
         exec_command. Forking, double-forking and setsid do not take a process away from its exec."""
         return await self.client.call("processes", {"sandbox_id": self.id})
 
+    async def usage(self) -> dict[str, Any]:
+        """What the sandbox uses now, from its cgroup: {"memory_bytes", "cpu_s", "pids", "state"} (None for
+        what this host's cgroups do not show). Asking does not resume a paused sandbox."""
+        return await self.client.call("usage", {"sandbox_id": self.id})
+
     async def kill_processes(self, exec_id: int | None = None) -> dict[str, int]:
         """SIGKILL the processes one exec left running (`exec_id`), or every process but the agent's (None):
         e.g. a `nohup server &` no longer wanted, or a fork bomb. Works at the sandbox's pids limit.

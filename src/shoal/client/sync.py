@@ -297,6 +297,10 @@ class Sandbox:
     def kill_processes(self, exec_id: int | None = None) -> dict[str, int]:
         return self._client._run(self._inner.kill_processes(exec_id))
 
+    def usage(self) -> dict[str, Any]:
+        """See `AsyncSandbox.usage`."""
+        return self._client._run(self._inner.usage())
+
     def expose(self, port: int) -> str:
         """See AsyncSandbox.expose: a URL reaching `port` inside the sandbox through the node or gateway."""
         return self._client._run(self._inner.expose(port))

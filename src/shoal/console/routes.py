@@ -167,8 +167,12 @@ def mount(app: web.Application, backend: Backend) -> None:
             record, steps = logged.get("sandbox") or {}, logged["steps"]
         except ShoalError as exc:
             log_note = f"{type(exc).__name__}: {exc}"
-        processes: list[dict[str, Any]] | str = "not asked: the sandbox is not running (asking would resume it)"
-        if info["state"] == "running":
+        try:
+            used: dict[str, Any] | str = await call(viewer, "usage", sandbox_id=sandbox_id)
+        except ShoalError as exc:
+            used = f"{type(exc).__name__}: {exc}"
+        processes: list[dict[str, Any]] | str = "not asked: the sandbox is not ready (a paused one would resume)"
+        if info["state"] == "ready":
             try:
                 processes = await call(viewer, "processes", sandbox_id=sandbox_id)
             except ShoalError as exc:
@@ -186,6 +190,7 @@ def mount(app: web.Application, backend: Backend) -> None:
             "spec": views.spec_shown(spec),
             "network": views.jsonable(spec.get("network", "none")),
             "limits": {k: spec.get(k) for k in ("cpu", "memory_mb", "pids", "disk_mb")},
+            "usage": used,
             "screen": spec.get("screen") or (info["image"] == "desktop" or None),
             "processes": processes,
             "status": record.get("status"),

@@ -52,13 +52,7 @@ ON_TIMEOUT = ("kill", "pause")
 
 def memory_usage(cgroup_path: str) -> int:
     """Bytes charged to the sandbox's memory cgroup (0 if unknown)."""
-    rel = cgroup_path.lstrip("/")
-    name = "memory.current" if cgroups.layout() == "v2" else "memory/" + rel + "/memory.usage_in_bytes"
-    path = cgroups.ROOT / rel / name if cgroups.layout() == "v2" else cgroups.ROOT / name
-    try:
-        return int(path.read_text())
-    except (OSError, ValueError):
-        return 0
+    return cgroups.memory_current(cgroup_path) or 0
 
 
 def reclaim_memory(cgroup_path: str) -> None:

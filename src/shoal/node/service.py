@@ -924,6 +924,12 @@ class NodeService:
 
     # ---------------------------------------------------------------- processes that outlive their exec
 
+    async def usage(self, sandbox_id: str) -> dict[str, Any]:
+        """What a sandbox uses now, read from its cgroup (the agent is not asked, so a paused sandbox stays
+        paused): memory charged in bytes, CPU seconds, tasks (None for what this host's cgroups do not show)."""
+        sandbox = self._get(sandbox_id)
+        return {**cgroups.usage(sandbox.instance.cgroup_path), "state": sandbox.state.value}
+
     async def processes(self, sandbox_id: str) -> list[dict[str, Any]]:
         """The sandbox's processes but its agent's, each with the exec that started it (guest/agent.c: an
         exec's handler stays the subreaper of what its command left running, so forks and setsid stay its)."""
