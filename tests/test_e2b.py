@@ -329,3 +329,28 @@ def test_served_inside_node_and_gateway(where: str, cluster, monkeypatch: pytest
     finally:
         sbx.kill()
     assert not sbx.is_running()
+
+
+def test_get_host_reaches_a_port_in_the_sandbox(sbx: Sandbox, cluster, e2b_env: dict[str, str]) -> None:
+    """`get_host(port)` as E2B's docs use it (`f"http://{sbx.get_host(8000)}"`) reaches a server in the sandbox
+    through the node's or gateway's relay (no wildcard DNS: the key rides in the URL's user part)."""
+    import httpx
+
+    sbx.files.write("/srv/hello.txt", "hello e2b")
+    sbx.commands.run("cd /srv && python3 -m http.server 8000 --bind 127.0.0.1", background=True)
+    host = sbx.get_host(8000)
+    assert host.startswith(f"8000-{sbx.sandbox_id}.")
+
+    def fetch(url: str) -> httpx.Response | None:
+        answer = httpx.get(url, timeout=30)
+        return answer if answer.status_code != 502 else None  # 502 until the server listens
+
+    answer = wait_for(lambda: fetch(f"http://{host}/hello.txt"), timeout=120, interval=0.2)
+    assert answer.status_code == 200 and answer.text == "hello e2b"
+    key = host.partition("@")[0].rpartition(".")[2]
+    relay = host.partition("@")[2]
+    wrong = f"http://8000-{sbx.sandbox_id}.{'0' * len(key)}@{relay}/hello.txt"
+    assert httpx.get(wrong, timeout=30).status_code == 401
+    assert httpx.get(f"http://{relay}/ports/{sbx.sandbox_id}/8000/hello.txt", timeout=30).status_code == 401
+    sbx.kill()
+    assert httpx.get(f"http://{host}/hello.txt", timeout=30).status_code == 404

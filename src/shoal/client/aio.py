@@ -535,7 +535,7 @@ def _is_rpc(fn: Any, args: tuple, options: dict[str, Any]) -> bool:
     )
 
 
-def _reachable(url: str, client: AsyncClient) -> str:
+def reachable_url(url: str, client: AsyncClient) -> str:
     """A URL whose host is a wildcard bind (0.0.0.0, ::) names the host the client reached instead."""
     scheme, _, rest = url.partition("://")
     hostport, slash, path = rest.partition("/")
@@ -785,7 +785,7 @@ class AsyncSandbox:
         closes. Without the key, a request needs `Authorization: Bearer <token>` of the sandbox's project at
         `<base>/ports/<id>/<port>/`. Each request opens one connection to the port (`Connection: close`)."""
         result = await self.client.call("expose", {"sandbox_id": self.id, "port": port})
-        return _reachable(result["url"], self.client)
+        return reachable_url(result["url"], self.client)
 
     async def pause(self) -> dict[str, Any]:
         """Pause: a container is frozen and its memory reclaimed; a VM is saved to disk and its QEMU stopped.

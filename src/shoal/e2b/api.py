@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shoal.client.aio import AsyncSandbox
+from shoal.client.aio import AsyncSandbox, reachable_url
 from shoal.e2b.backend import RESERVED_PREFIX, TEMPLATE_LABEL, Backend
 from shoal.errors import (
     AuthenticationError,
@@ -35,6 +35,7 @@ from shoal.errors import (
     QuotaExceededError,
     SandboxLostError,
     SandboxNotFoundError,
+    ShoalError,
 )
 
 ENVD_VERSION = "0.5.7"  # the envd features this layer answers (see docs/E2B.md); newer ones stay off in the SDK
@@ -118,7 +119,19 @@ class ControlPlane:
 
         return run
 
-    def _sandbox_json(self, info: Any, key: str | None) -> dict[str, Any]:
+    async def _domain(self, client: Any, sandbox_id: str) -> str | None:
+        """What `get_host(port)` appends to `<port>-<id>.`: `<sandbox key>@<relay host:port>`, so the SDK's
+        `f"http://{sbx.get_host(8000)}"` is a URL whose user part `<port>-<id>.<key>` the node's or gateway's
+        relay reads as Basic auth (shoal/portrelay.py): no wildcard DNS needed. None where no relay answers
+        (a gateway without HTTP)."""
+        try:
+            access = await client.call("expose", {"sandbox_id": sandbox_id, "port": 80})
+        except ShoalError:
+            return None
+        base = reachable_url(access["url"], client).partition("/ports/")[0]
+        return f"{access['sandbox_key']}@{base.partition('://')[2]}"
+
+    def _sandbox_json(self, info: Any, key: str | None, domain: str | None = None) -> dict[str, Any]:
         return {
             "templateID": info.labels.get(TEMPLATE_LABEL, info.image),
             "sandboxID": info.id,
@@ -127,7 +140,7 @@ class ControlPlane:
             "envdAccessToken": key or "",
             # e2b-code-interpreter sends this one (not the envd token) on its context routes
             "trafficAccessToken": key or None,
-            "domain": None,
+            "domain": domain,
         }
 
     def _detail_json(self, info: Any, key: str | None, *, listed: bool = False) -> dict[str, Any]:
@@ -171,7 +184,8 @@ class ControlPlane:
         # the create handle numbers its steps from 0 (fast-forward); the E2B layer's concurrent, cancellable
         # requests must append, as the handles `get` returns do: remember one of those for this sandbox
         self.backend.remember(key, AsyncSandbox(client, sandbox.info))
-        return web.json_response(self._sandbox_json(sandbox.info, key), status=201)
+        domain = await self._domain(client, sandbox.id)
+        return web.json_response(self._sandbox_json(sandbox.info, key, domain), status=201)
 
     async def list(self, request: web.Request, key: str | None) -> web.Response:
         wanted = dict(urllib.parse.parse_qsl(request.query.get("metadata", "")))
@@ -228,7 +242,8 @@ class ControlPlane:
         if timeout:
             await sandbox.keepalive(ttl_s=float(timeout))
         status = 201 if info.state == "paused" else 200
-        return web.json_response(self._sandbox_json(sandbox.info, key), status=status)
+        domain = await self._domain(sandbox.client, sandbox.id)
+        return web.json_response(self._sandbox_json(sandbox.info, key, domain), status=status)
 
     async def templates(self, request: web.Request, key: str | None) -> web.Response:
         client = await self.backend.client(key)
