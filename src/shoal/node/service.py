@@ -911,6 +911,7 @@ class NodeService:
         if self.functions.owns(sandbox_id):
             raise InvalidRequestError(f"{sandbox_id} is a function sandbox: it serves no ports")
         sandbox = await self._awake(self._get(sandbox_id))
+        sandbox.last_active = time.time()  # traffic to its ports keeps a sandbox from its idle timeout
         try:
             return await sandbox.agent.open_port(port)
         except ConnectionRefusedError as exc:
