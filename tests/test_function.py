@@ -535,6 +535,76 @@ def test_abandoned_map_stops_its_calls(client: shoal.Client) -> None:
     assert all(p["busy"] == 0 and p["waiting"] == 0 for p in pools.values()), pools
 
 
+# what each item of a batched map does: look for what an earlier item of its batch left, then leave some
+LEFTOVERS = """
+import os, subprocess
+def f(x):
+    seen = sorted(n for d in ('/work', '/tmp', '/dev/shm') for n in os.listdir(d))
+    others = [p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()
+              and os.stat('/proc/' + p).st_uid == os.getuid()]
+    for d in ('/work', '/tmp', '/dev/shm'):
+        open(f'{d}/mark-{x}', 'w').write('x')
+    subprocess.Popen(['sleep', '300'], start_new_session=True)
+    if x % 5 == 3:
+        raise ValueError(f'item {x} fails')
+    return [x, seen, others]
+"""
+
+
+def test_batched_map_items_are_isolated_in_order_with_errors_in_place(client: shoal.Client) -> None:
+    """A batch runs its items one after another in one worker, each in a fresh child: none sees the files
+    or processes an earlier item left; values come back in order, a failing item's error in its place and
+    the rest of its batch still runs."""
+    out = list(client.map(LEFTOVERS, range(24), entry="f", batch=8, concurrency=2))
+    assert len(out) == 24
+    for x, value in enumerate(out):
+        if x % 5 == 3:
+            assert isinstance(value, FunctionError) and value.type == "ValueError" and f"item {x}" in value.message
+        else:
+            assert value == [x, [], []], value
+    squares = list(client.map(lambda x: x * x, range(100), batch=16, concurrency=3))
+    assert squares == [x * x for x in range(100)]
+    star = client.map("def f(a, b):\n    return a - b", [(5, 3), (2, 7)] * 5, entry="f", star=True, batch=4)
+    assert list(star) == [2, -5] * 5
+    with pytest.raises(ValueError, match="batch"):
+        list(client.map(lambda x: x, range(3), batch=0))
+
+
+def test_batch_limits_are_per_item(client: shoal.Client) -> None:
+    """Each item of a batch gets its own timeout and memory limit; one item's timeout or OOM kill is that
+    item's error and the items after it in the batch run normally."""
+    source = (
+        "import time\ndef f(x):\n    if x == 1:\n        time.sleep(300)\n"
+        "    if x == 3:\n        b = bytearray(400 << 20)\n        return len(b)\n    return x"
+    )
+    out = list(client.map(source, range(5), entry="f", batch=5, timeout=2, memory_mb=128))
+    assert out[0] == 0 and out[2] == 2 and out[4] == 4, out
+    assert isinstance(out[1], FunctionError) and out[1].type == "TimeoutError", out[1]
+    assert isinstance(out[3], FunctionError) and out[3].type == "MemoryError", out[3]
+
+
+def test_abandoned_batched_map_leaves_no_busy_workers_or_processes(client: shoal.Client, node: NodeProcess) -> None:
+    """Leaving a batched map early cancels its batches in flight: the workers stop the running item, skip
+    the rest of the batch and are free again, with no process of any item left in a call cgroup."""
+    source = "import subprocess, time\ndef f(x):\n    subprocess.Popen(['sleep', '300'])\n"
+    source += "    time.sleep(0.3)\n    return x"
+    taken = []
+    for value in client.map(source, range(200), entry="f", batch=20, concurrency=2):
+        taken.append(value)
+        if len(taken) == 2:
+            break
+    assert taken == [0, 1]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pools = client.status()["functions"]["pools"]
+        if all(p["busy"] == 0 and p["waiting"] == 0 for p in pools.values()) and not _call_processes(node):
+            break
+        time.sleep(0.1)
+    assert all(p["busy"] == 0 and p["waiting"] == 0 for p in pools.values()), pools
+    assert _call_processes(node) == []
+    assert client.call("6 * 7") == 42  # the workers that were aborted serve calls again
+
+
 def test_the_workers_output_cap_matches_the_nodes() -> None:
     """The worker (under the image's python, without shoal) keeps and marks output as the node does."""
     for cap, pieces in ((10, [b"abc", b"defghijklmnop", b"q"]), (7, [b"x" * 100]), (64, [b"short"])):

@@ -182,6 +182,11 @@ ARGS: dict[str, Args] = {
         "spec": {"kind": "function", "image": "debian"},
         "call": _payload("6*7", (), None, None),
     },
+    "fn_map": lambda c, sb, x: {
+        "spec": {"kind": "function", "image": "debian"},
+        "call": {"source": "def f(x):\n    return x * 7", "entry": "f"},
+        "items": [[1], [6]],
+    },
     "fn_run_code": lambda c, sb, x: {"spec": {"kind": "function", "image": "debian"}, "code": "print(6*7)"},
     "pool_set": lambda c, sb, x: {"spec": {"image": "busybox"}, "size": 0},
     "image_list": lambda c, sb, x: {},
@@ -277,6 +282,8 @@ def test_every_operation_through_every_way_in(
         assert result == b"read me"
     if name == "fn_call":
         assert result["ok"] and json.loads(result["value"]) == 42, result
+    if name == "fn_map":
+        assert [json.loads(each["value"]) for each in result] == [7, 42], result
     if name == "fn_run_code":
         assert result["status"] == "ok" and result["run"]["stdout"] == b"42\n", result
     if name == "trajectory_find":

@@ -130,12 +130,26 @@ async def call(
     return _value(outcome)
 
 
+MAX_BATCH = 64  # items per round trip at most: results stream back a batch at a time
+
+
+def _batch_size(items: Iterable[Any], concurrency: int) -> int:
+    """Items per round trip: enough to spread what is known of the work over `concurrency` batches four
+    times over (so every worker stays busy and results keep coming), at most MAX_BATCH; 8 for iterators."""
+    try:
+        count = len(items)  # type: ignore[arg-type]
+    except TypeError:
+        return 8
+    return max(1, min(MAX_BATCH, -(-count // (4 * concurrency))))
+
+
 async def map_calls(
     client: RpcClient,
     fn: Callable[..., Any] | str,
     items: Iterable[Any],
     *,
     concurrency: int = 32,
+    batch: int | None = None,
     entry: str | None = None,
     image: str = "debian",
     timeout: float | None = 60.0,
@@ -144,40 +158,60 @@ async def map_calls(
 ) -> AsyncIterator[Any]:
     """Yield `fn(item)` for each item, in order, `concurrency` at a time; a failed item yields its FunctionError.
 
-    With `star=True` each item is an argument tuple. The function is pickled once for all items.
+    With `star=True` each item is an argument tuple. The function is pickled and sent once per batch:
+    `batch` items (default: sized to the work, at most 64) go to one worker in one round trip, each still
+    in a fresh child of its own with nothing of the previous item's left (files, processes, IPC); results
+    come back a batch at a time, in order. Leaving the loop early cancels the batches in flight.
     """
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
+    if batch is not None and not 1 <= batch <= MAX_BATCH:
+        raise ValueError(f"batch must be between 1 and {MAX_BATCH}")
+    size = batch or _batch_size(items, concurrency)
     spec = _spec(image, limits)
     if isinstance(fn, str):
-        make = lambda item: _payload(fn, tuple(item) if star else (item,), None, entry)  # noqa: E731
+        call: dict[str, Any] = {"source": fn, "entry": entry}
+
+        def arguments(item: Any) -> Any:
+            args = list(item) if star else [item]
+            try:
+                json.dumps(args)
+            except TypeError as exc:
+                raise TypeError(f"arguments to Python source must be JSON data ({exc}); pass a function") from exc
+            return args
     else:
         import cloudpickle
 
-        pickled = cloudpickle.dumps(fn)
+        call = {"pickle": cloudpickle.dumps(fn), "python": PYTHON}
 
-        def make(item: Any) -> dict[str, Any]:
-            args = cloudpickle.dumps((tuple(item) if star else (item,), {}))
-            return {"pickle": pickled, "args": args, "python": PYTHON}
+        def arguments(item: Any) -> Any:
+            return cloudpickle.dumps((tuple(item) if star else (item,), {}))
 
-    async def one(item: Any) -> Any:
-        outcome = await client.rpc(
-            "fn_call", {"spec": spec, "call": make(item), "timeout": timeout, "sandbox_id": None}
-        )
-        try:
-            return _value(outcome)
-        except FunctionError as exc:
-            return exc
+    async def one(chunk: list[Any]) -> list[Any]:
+        args = {"spec": spec, "call": call, "items": chunk, "timeout": timeout}
+        outcomes = await client.rpc("fn_map", args)
+        values: list[Any] = []
+        for outcome in outcomes:
+            try:
+                values.append(_value(outcome))
+            except FunctionError as exc:
+                values.append(exc)
+        return values
 
-    pending: deque[asyncio.Task[Any]] = deque()
+    pending: deque[asyncio.Task[list[Any]]] = deque()
     iterator = iter(items)
     try:
-        for item in iterator:
-            pending.append(asyncio.ensure_future(one(item)))
+        while True:
+            chunk = [arguments(item) for _, item in zip(range(size), iterator, strict=False)]
+            if not chunk:
+                break
+            pending.append(asyncio.ensure_future(one(chunk)))
             if len(pending) >= concurrency:
-                yield await pending.popleft()
+                for value in await pending.popleft():
+                    yield value
         while pending:
-            yield await pending.popleft()
+            for value in await pending.popleft():
+                yield value
     finally:
         for task in pending:
             task.cancel()

@@ -129,7 +129,7 @@ class Tenancy:
             return self._status(project)
         elif op == "create":
             return await self._create(project, args, invoke, enforce)
-        elif op in ("fn_call", "fn_run_code") and args.get("spec") is not None:
+        elif op in ("fn_call", "fn_map", "fn_run_code") and args.get("spec") is not None:
             args["spec"] = self._spec(project, dict(args["spec"]))
         elif op == "vm_snapshot_delete":
             self._own_snapshot(project, args.get("snapshot_id"))

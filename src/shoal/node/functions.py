@@ -78,6 +78,7 @@ MAX_STAGED_BYTES = 64 << 20
 SETUP_GRACE_S = 30.0
 KILL_GRACE_S = 0.25  # per step: past its timeouts by this much, the node kills a call the worker has not
 NO_TIMEOUT_S = 7 * 86400.0
+MAX_BATCH = 1024  # items of one `map` round trip (the client sends far fewer: results stream back per batch)
 
 
 @dataclass
@@ -303,11 +304,11 @@ class FunctionService:
             pool.release(worker)
         if reply.get("error"):
             raise InvalidRequestError(f"the function call could not run: {reply['error']}")
-        if reply["oom_killed"]:  # the OOM kill hit the last step that ran (and was killed)
-            for step in reversed(reply["steps"]):
-                if step["signal"] == 9 and not step["timed_out"]:
-                    step["oom_killed"] = True
-                    break
+        ooms = reply["oom_kills"] or int(reply["oom_killed"])
+        for step in reversed(reply["steps"]):  # the OOM kills hit the last steps killed other than by a timeout
+            if ooms and step["signal"] == 9 and not step["timed_out"]:
+                step["oom_killed"] = True
+                ooms -= 1
         return reply
 
     def _request(
@@ -579,6 +580,40 @@ class FunctionService:
             pickled_by=str(call.get("python") or "unknown") if "pickle" in python else None,
         )
         return _call_outcome(reply["steps"][0], timeout, _memory_mb(spec))
+
+    async def map(
+        self, spec: SandboxSpec, call: dict[str, Any], items: list[Any], timeout: float | None
+    ) -> list[dict[str, Any]]:
+        """`call` once per item in one worker round trip: each item a fresh forked child as `call` runs it,
+        the worker wiping files, processes and IPC between items; outcomes in order, a failure in place."""
+        self._check_spec(spec)
+        if not items:
+            return []
+        if len(items) > MAX_BATCH:
+            raise InvalidRequestError(f"a map batch holds at most {MAX_BATCH} items; send more batches")
+        python: dict[str, Any] = {}
+        if call.get("pickle") is not None:
+            python["pickle"] = b64(call["pickle"])
+            steps_args = [{"args": b64(item or b"")} for item in items]
+        elif isinstance(call.get("source"), str):
+            python.update(source=call["source"], entry=call.get("entry"), kwargs=call.get("kwargs") or {})
+            steps_args = [{"args": item if isinstance(item, list) else [item]} for item in items]
+        else:
+            raise InvalidRequestError("a map needs a pickled function or Python source")
+        cap = spec.output_cap_bytes or self.node.settings.output_cap_bytes
+        steps = [{"python": each, "timeout": timeout, "cap": cap} for each in steps_args]
+        request = self._request(spec, steps, {}, python=python, isolate=True)
+        reply = await self._run(
+            spec,
+            request,
+            self._budget(*([timeout] * len(items))),
+            pickled_by=str(call.get("python") or "unknown") if "pickle" in python else None,
+        )
+        memory = _memory_mb(spec)
+        outcomes = [_call_outcome(step, timeout, memory) for step in reply["steps"]]
+        if reply.get("aborted") or len(outcomes) < len(items):  # pragma: no cover - the caller went away
+            raise SandboxLostError("the function worker stopped the batch before its end")
+        return outcomes
 
     async def run_code(
         self,

@@ -1218,6 +1218,12 @@ class NodeService:
         self._validate(spec)
         return await self.functions.call(spec, call, timeout, sandbox_id)
 
+    async def fn_map(
+        self, spec: SandboxSpec, call: dict[str, Any], items: list[Any], timeout: float | None = None
+    ) -> list[dict[str, Any]]:
+        self._validate(spec)
+        return await self.functions.map(spec, call, items, timeout)
+
     async def fn_run_code(
         self,
         spec: SandboxSpec,

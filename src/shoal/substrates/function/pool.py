@@ -105,10 +105,10 @@ class Worker:
             raise SandboxLostError(f"function worker {self.sandbox.id} stopped answering: {exc}") from exc
         if call_limits.occupied(self.dirs):  # the call left processes the worker could not kill
             await self._empty_call_cgroup()
-        reply["oom_killed"] = False
+        reply["oom_killed"], reply["oom_kills"] = False, 0
         if any(step.get("signal") == 9 for step in reply.get("steps", ())):  # only a SIGKILL can be an OOM kill
             ooms = await asyncio.to_thread(call_limits.oom_kills, self.dirs)
-            reply["oom_killed"] = ooms > self.ooms
+            reply["oom_killed"], reply["oom_kills"] = ooms > self.ooms, max(0, ooms - self.ooms)
             self.ooms = ooms
             if killed:  # the node's kill at the deadline: the step ran out of time
                 for step in reversed(reply["steps"]):

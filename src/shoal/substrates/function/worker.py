@@ -9,6 +9,10 @@ It imports MODULE..., listens on SOCKET_PATH (in a root-only directory, so calls
 ``cgroup.procs`` files of the per-call cgroup. Then requests, one at a time; frames are a 4-byte big-endian
 length and UTF-8 JSON, bytes travel as base64.
 
+A request is one call (a command, Python, or run_code's compile and run) or a batch of calls (`map`:
+the function once in "python", each step only its arguments, "isolate" set): between the calls of a batch
+the worker cleans up exactly as after a request, so each sees only its own inputs.
+
 Per request the worker writes the input files, then runs each step in a freshly forked child that joins
 the call cgroup, drops to UID:GID (no capabilities), and either execs a command or runs Python in the
 already-warm interpreter; afterwards it kills every process but itself and the agent, collects the
@@ -503,9 +507,16 @@ class Worker:
         self.pids = int(request.get("pids") or 0)
         env = request.get("env") or {}
         reply: dict = {"steps": [], "files": {}}
+        files = request.get("files") or {}
+        shared = request.get("python")  # a batch (`map`): the function once, each step only its arguments
         try:
-            write_inputs(request.get("files") or {}, cwd, self.uid, self.gid)
-            for step in request["steps"]:
+            write_inputs(files, cwd, self.uid, self.gid)
+            for index, step in enumerate(request["steps"]):
+                if request.get("isolate") and index:  # each step a call of its own: a clean slate first
+                    self.clean()
+                    write_inputs(files, cwd, self.uid, self.gid)
+                if shared is not None and "python" in step:
+                    step["python"] = {**shared, **step["python"]}
                 result, aborted = self.run_step(sock, step, cwd, env)
                 reply["steps"].append(result)
                 if aborted:
@@ -518,10 +529,14 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - the request failed as a whole; say why
             reply["error"] = f"{type(exc).__name__}: {exc}"
         finally:
-            kill_stragglers(self)
-            wipe()
-            remove_sysv_ipc(self.uid, self.gid)
+            self.clean()
         return reply
+
+    def clean(self) -> None:
+        """Nothing a call started, wrote or made survives it: processes, writable dirs, SysV IPC."""
+        kill_stragglers(self)
+        wipe()
+        remove_sysv_ipc(self.uid, self.gid)
 
 
 # ------------------------------------------------------------------ Python steps (in the child)
