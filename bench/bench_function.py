@@ -1,15 +1,24 @@
-"""Trivial isolated calls per second: shoal's function workers side by side with raw fork and python3 -c.
+"""Function-kind throughput (issue 12 and 17): calls/s, map items/s and SandboxFusion snippets/s beside a
+bare fork of a warm interpreter, in one run, with p50/p99 and CPU-ms per call, and each target met or not.
 
-    PYTHONPATH=src .venv/bin/python bench/bench_function.py [--calls 2000] [--concurrency 8] [--rounds 3]
+    PYTHONPATH=src .venv/bin/python bench/bench_function.py [--calls 2000] [--map-items 10000]
+        [--snippets 500] [--concurrency 8] [--rounds 1] [--profile DIR]
 
-Ways (interleaved per round, so load from other users hits all alike; medians over rounds):
-- shoal call(source)  `client.call("1")`: node → warm worker → fresh forked child (own cgroup, nobody,
-                       no network) → JSON result; the full isolated path
-- shoal map(function) `client.map(fn, items)` with a cloudpickled function
+One private node (LocalCluster: own home, cgroup parent, a project token, TCP and HTTP). Ways:
+- raw fork            the floor: os.fork + pipe + JSON + waitpid in plain warm interpreters (one per core),
+                       no isolation, no IPC beyond the pipe
+- shoal call(source)  `client.call("1")`: client → node → warm worker → fresh forked child (own cgroup,
+                       nobody, no network) → JSON result; the full isolated path, one round trip per call
+- shoal map(function) `client.map(fn, items)`, a cloudpickled function: batches of items per worker round
+                       trip, each item still a fresh child with nothing of the item before it left
 - shoal exec          `sandbox.exec(["true"])` on a function sandbox: fork + exec of a binary per call
-- raw fork            this machine's floor for fork-per-call: os.fork + pipe + waitpid in plain Python
-                       processes (one per core), no isolation, no IPC beyond the pipe
+- POST /run_code      SandboxFusion's API on the node's HTTP (aiohttp client, keep-alive): a python snippet
+                       each, its printed sum checked
 - python3 -c          a new interpreter per call (what a harness without warm workers pays)
+
+CPU-ms per op is the machine's (all cores from /proc/stat: it includes other users' load on a shared host)
+and, for shoal, the node process's own. `--profile DIR` also records py-spy flame data of the node
+during the shoal ways (py-spy is in the [dev] extra). Nothing here is asserted.
 """
 
 from __future__ import annotations
@@ -17,20 +26,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+from _common import pct
 
 import shoal
+from shoal.cluster.local import LocalCluster
 
-# a real interpreter, not a version-manager shim (a shell script that costs ~250 ms per start here)
 PYTHON3 = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+TICK = os.sysconf("SC_CLK_TCK")
+TARGETS = {  # issue 12 (calls, map) and issue 17 (SandboxFusion through HTTP)
+    "shoal call(source)": 1000.0,
+    "shoal map(function)": 2000.0,
+    "POST /run_code (node HTTP)": 500.0,
+}
 
 RAW_FORK = r"""
-import os, sys, time, json
+import json, os, sys, time
 n = int(sys.argv[1])
+lat = []
 for _ in range(n):
+    t = time.perf_counter()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -40,95 +64,212 @@ for _ in range(n):
     json.loads(os.read(r, 1 << 16))
     os.close(r)
     os.waitpid(pid, 0)
+    lat.append(time.perf_counter() - t)
+print(json.dumps(lat))
 """
 
 
-async def timed(n: int, concurrency: int, one) -> tuple[float, list[float]]:  # noqa: ANN001
+def machine_cpu_s() -> float:
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / TICK  # all but idle and iowait
+
+
+def process_cpu_s(pid: int) -> float:
+    stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return sum(int(x) for x in stat[11:15]) / TICK  # utime stime cutime cstime
+
+
+class Row:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.rates: list[float] = []
+        self.latencies: list[float] = []
+        self.machine_ms: list[float] = []
+        self.node_ms: list[float] = []
+
+
+async def timed(n: int, concurrency: int, one: Callable[[int], Awaitable[None]]) -> tuple[float, list[float]]:
     gate = asyncio.Semaphore(concurrency)
     latencies: list[float] = []
 
-    async def run() -> None:
+    async def run(i: int) -> None:
         async with gate:
             start = time.perf_counter()
-            await one()
+            await one(i)
             latencies.append(time.perf_counter() - start)
 
     start = time.perf_counter()
-    await asyncio.gather(*(run() for _ in range(n)))
+    await asyncio.gather(*(run(i) for i in range(n)))
     return time.perf_counter() - start, latencies
 
 
-async def shoal_ways(n: int, concurrency: int, home: str | None) -> dict[str, tuple[float, list[float]]]:
-    out = {}
-    async with shoal.AsyncClient(home=home) as client:
-        await client.set_pool("function", "debian", size=concurrency, wait=True)
-        await asyncio.gather(*(client.call("1") for _ in range(concurrency * 4)))  # warm every worker
-        out["shoal call(source)"] = await timed(n, concurrency, lambda: client.call("1"))
-
-        async for _ in client.map(lambda x: x, range(concurrency * 4), concurrency=concurrency):
-            pass  # warm the workers that hold cloudpickle
-        start = time.perf_counter()
-        count = 0
-        async for value in client.map(lambda x: x, range(n), concurrency=concurrency):
-            assert not isinstance(value, Exception), value
-            count += 1
-        out["shoal map(function)"] = (time.perf_counter() - start, [])
-
-        sandbox = await client.create("function", image="debian")
-        out["shoal exec"] = await timed(n, concurrency, lambda: sandbox.exec(["true"]))
-        await sandbox.close()
-        await client.set_pool("function", "debian", size=0)
-    return out
+def measure(row: Row, n: int, run: Callable[[], Awaitable[tuple[float, list[float]]]], node_pid: int | None) -> None:
+    machine, node = machine_cpu_s(), process_cpu_s(node_pid) if node_pid else 0.0
+    elapsed, latencies = asyncio.run(run())
+    row.rates.append(n / elapsed)
+    row.latencies += latencies
+    row.machine_ms.append((machine_cpu_s() - machine) * 1e3 / n)
+    if node_pid:
+        row.node_ms.append((process_cpu_s(node_pid) - node) * 1e3 / n)
 
 
-def raw_fork(n: int) -> float:
+def snippet(i: int) -> tuple[str, str]:
+    return f"print(sum(range({i})))", f"{sum(range(i))}\n"
+
+
+def shoal_ways(lc: LocalCluster, rows: dict[str, Row], args: argparse.Namespace) -> None:
+    node = lc.nodes[0]
+    token = lc.project_tokens["bench"]
+    c = args.concurrency
+    url = f"shoal://{node.address}"
+
+    async def warm() -> None:
+        # by demand, not set_pool: the node's worker budget (SHOAL_FN_MAX_WORKERS) is shared by the pools
+        # these ways use (plain, holding cloudpickle, debian-dev), and a warm minimum is never evicted
+        async with shoal.AsyncClient(url, token=token) as client:
+            await asyncio.gather(*(client.call("1") for _ in range(c * 4)))
+            async for _ in client.map(lambda x: x, range(c * 8), concurrency=c):
+                pass  # the workers that hold cloudpickle
+            await asyncio.gather(*(client.run_code("print(1)") for _ in range(c * 2)))
+
+    asyncio.run(warm())
+
+    async def calls() -> tuple[float, list[float]]:
+        async with shoal.AsyncClient(url, token=token) as client:
+
+            async def one(_i: int) -> None:
+                assert await client.call("1") == 1
+
+            return await timed(args.calls, c, one)
+
+    async def mapped() -> tuple[float, list[float]]:
+        async with shoal.AsyncClient(url, token=token) as client:
+            start = time.perf_counter()
+            count = 0
+            async for value in client.map(lambda x: x, range(args.map_items), concurrency=c):
+                assert value == count, value
+                count += 1
+            return time.perf_counter() - start, []
+
+    async def execs() -> tuple[float, list[float]]:
+        async with shoal.AsyncClient(url, token=token) as client:
+            sandbox = await client.create("function", image="debian", ttl_s=600)
+            try:
+
+                async def one(_i: int) -> None:
+                    assert (await sandbox.exec(["true"])).exit_code == 0
+
+                return await timed(args.calls, c, one)
+            finally:
+                await sandbox.close()
+
+    async def fusion() -> tuple[float, list[float]]:
+        headers = {"Authorization": f"Bearer {token}"}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=c), headers=headers) as session:
+
+            async def one(i: int) -> None:
+                code, expected = snippet(i)
+                body = {"code": code, "language": "python", "run_timeout": 10, "compile_timeout": 10,
+                        "memory_limit_MB": 256, "files": {}, "fetch_files": []}  # fmt: skip
+                async with session.post(f"http://{node.http}/run_code", json=body) as response:
+                    answer = await response.json()
+                assert answer["status"] == "Success" and answer["run_result"]["stdout"] == expected, answer
+
+            return await timed(args.snippets, c, one)
+
+    ways: list[tuple[str, int, Callable[[], Awaitable[tuple[float, list[float]]]]]] = [
+        ("shoal call(source)", args.calls, calls),
+        ("shoal map(function)", args.map_items, mapped),
+        ("shoal exec", args.calls, execs),
+        ("POST /run_code (node HTTP)", args.snippets, fusion),
+    ]
+    for name, n, run in ways:
+        profiler = None
+        if args.profile:
+            out = Path(args.profile) / f"node-{name.split()[1].strip('(/')}.txt"
+            spy = [shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(node.pid), "-f", "raw", "-o", str(out)]
+            profiler = subprocess.Popen([*spy, "-r", "200"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            measure(rows.setdefault(name, Row(name)), n, run, node.pid)
+        finally:
+            if profiler is not None:
+                profiler.send_signal(2)  # py-spy writes its file on SIGINT
+                profiler.wait(timeout=60)
+
+
+def raw_fork(rows: dict[str, Row], n: int) -> None:
     drivers = os.cpu_count() or 1
+    row = rows.setdefault("raw fork (no isolation)", Row("raw fork (no isolation)"))
+    machine = machine_cpu_s()
+    before = os.times()
     start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, "-c", RAW_FORK, str(n // drivers)]) for _ in range(drivers)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RAW_FORK, str(n // drivers)], stdout=subprocess.PIPE)
+        for _ in range(drivers)
+    ]
     for proc in procs:
-        proc.wait()
-    return time.perf_counter() - start
+        out, _ = proc.communicate()
+        row.latencies += [float(x) for x in out.decode().strip("[]\n").split(",") if x.strip()]
+    elapsed = time.perf_counter() - start
+    after = os.times()
+    row.rates.append(n // drivers * drivers / elapsed)
+    row.machine_ms.append((machine_cpu_s() - machine) * 1e3 / n)
+    own = (after.children_user + after.children_system) - (before.children_user + before.children_system)
+    row.node_ms.append(own * 1e3 / n)  # the forking processes' own CPU (with their children)
 
 
-async def python_c(n: int, concurrency: int) -> tuple[float, list[float]]:
-    async def one() -> None:
+def python_c(rows: dict[str, Row], n: int, concurrency: int) -> None:
+    async def one(_i: int) -> None:
         proc = await asyncio.create_subprocess_exec(PYTHON3, "-c", "1")
         await proc.wait()
 
-    return await timed(n, concurrency, one)
+    row = rows.setdefault("python3 -c per call", Row("python3 -c per call"))
+    measure(row, n, lambda: timed(n, concurrency, one), None)
+
+
+def report(rows: dict[str, Row], args: argparse.Namespace) -> None:
+    load = os.getloadavg()[0]
+    print(
+        f"calls {args.calls}, map items {args.map_items}, snippets {args.snippets}; concurrency {args.concurrency}; "
+        f"{os.cpu_count()} cores, load {load:.1f}; {args.rounds} round(s), medians"
+    )
+    print(f"{'way':<28} {'ops/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms/op':>10} {'node ms/op':>10}  target")
+    for name, row in rows.items():
+        rate = statistics.median(row.rates)
+        p50 = f"{pct(row.latencies, 0.5) * 1e3:.2f}" if row.latencies else "-"
+        p99 = f"{pct(row.latencies, 0.99) * 1e3:.2f}" if row.latencies else "-"
+        machine = statistics.median(row.machine_ms)
+        node = f"{statistics.median(row.node_ms):.2f}" if row.node_ms else "-"
+        target = TARGETS.get(name)
+        verdict = f">= {target:.0f}/s {'met' if rate >= target else 'NOT met'}" if target else ""
+        print(f"{name:<28} {rate:>8.0f} {p50:>8} {p99:>8} {machine:>10.2f} {node:>10}  {verdict}")
+    print("node ms/op: the node process (for raw fork: the forking interpreters themselves)")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--map-items", type=int, default=10000)
+    parser.add_argument("--snippets", type=int, default=500)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--home", default=os.environ.get("SHOAL_HOME"))
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--profile", help="directory for py-spy raw flame data of the node, one file per way")
     args = parser.parse_args()
-    n = args.calls
-    seconds: dict[str, list[float]] = {}
-    latencies: dict[str, list[float]] = {}
-    for _ in range(args.rounds):
-        for way, (elapsed, lat) in asyncio.run(shoal_ways(n, args.concurrency, args.home)).items():
-            seconds.setdefault(way, []).append(elapsed)
-            latencies.setdefault(way, []).extend(lat)
-        seconds.setdefault("raw fork (no isolation)", []).append(raw_fork(n))
-        slow = max(50, n // 20)  # python3 -c is slow: time fewer, scale
-        elapsed, lat = asyncio.run(python_c(slow, args.concurrency))
-        seconds.setdefault("python3 -c per call", []).append(elapsed * n / slow)
-        latencies.setdefault("python3 -c per call", []).extend(lat)
-    load = os.getloadavg()[0]
-    print(
-        f"{n} calls per way, concurrency {args.concurrency}, {os.cpu_count()} cores, load {load:.1f}, "
-        f"{args.rounds} rounds (median)"
-    )
-    print(f"{'way':<26} {'calls/s':>9} {'lat p50 ms':>11} {'lat p99 ms':>11}")
-    for way, samples in seconds.items():
-        rate = n / statistics.median(samples)
-        lat = sorted(latencies.get(way, []))
-        p50 = f"{lat[len(lat) // 2] * 1000:.2f}" if lat else "-"
-        p99 = f"{lat[int(len(lat) * 0.99)] * 1000:.2f}" if lat else "-"
-        print(f"{way:<26} {rate:>9.0f} {p50:>11} {p99:>11}")
+    if args.profile:
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+    rows: dict[str, Row] = {}
+    workdir = Path(tempfile.mkdtemp(prefix="shoal-bench-fn-"))
+    lc = LocalCluster(workdir, nodes=1, projects={"bench": {}}, prefix="bfn")
+    try:
+        for _ in range(args.rounds):
+            raw_fork(rows, args.calls)
+            shoal_ways(lc, rows, args)
+            python_c(rows, max(50, args.calls // 20), args.concurrency)
+    finally:
+        lc.stop()
+        if str(workdir) not in Path("/proc/mounts").read_text():  # nothing left mounted: the run's files go
+            shutil.rmtree(workdir, ignore_errors=True)
+    report(rows, args)
     return 0
 
 
