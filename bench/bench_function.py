@@ -187,8 +187,9 @@ def shoal_ways(lc: LocalCluster, rows: dict[str, Row], args: argparse.Namespace)
         profiler = None
         if args.profile:
             out = Path(args.profile) / f"node-{name.split()[1].strip('(/')}.txt"
-            spy = [shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")), "record", "-p", str(node.pid), "-f", "raw", "-o", str(out)]
-            profiler = subprocess.Popen([*spy, "-r", "200"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+            argv = [spy, "record", "-p", str(node.pid), "-f", "raw", "-o", str(out), "-r", "200"]
+            profiler = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             measure(rows.setdefault(name, Row(name)), n, run, node.pid)
         finally:
