@@ -47,6 +47,47 @@ while True:
 """
 
 
+# A raw TCP server (no HTTP): reads until the client's half-close, answers the bytes reversed.
+TCP_REVERSE = r"""
+import socket, threading
+def serve(c):
+    data = b""
+    while chunk := c.recv(65536):
+        data += chunk
+    c.sendall(data[::-1]); c.close()
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 9009)); s.listen(16)
+while True:
+    c, _ = s.accept(); threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+def reverse_through(address: str, payload: bytes) -> bytes:
+    import socket
+
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        conn.sendall(payload)
+        conn.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := conn.recv(65536):
+            got += chunk
+        return got
+
+
+def check_raw_tcp(sb: shoal.Sandbox) -> None:
+    """sb.forward: a local port whose connections are raw TCP to a port in the sandbox (half-close kept)."""
+    sb.files.write("/srv/rev.py", TCP_REVERSE.encode())
+    sb.exec("nohup python3 /srv/rev.py >/dev/null 2>&1 &")
+    with sb.forward(9009) as fwd:
+        deadline = time.monotonic() + 60
+        while (got := reverse_through(fwd.address, b"ping")) != b"gnip":  # empty until the server listens
+            assert time.monotonic() < deadline, got
+            time.sleep(0.2)
+        blob = bytes(range(256)) * 4096
+        assert reverse_through(fwd.address, blob) == blob[::-1]
+
+
 def get(url: str, headers: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, bytes]:
     request = urllib.request.Request(url, headers=headers or {})
     try:
@@ -126,6 +167,7 @@ def test_expose_http_and_websocket_with_network_none(client: shoal.Client) -> No
         # the sandbox's own network policy stayed shut
         r = sb.exec("python3 -c \"import socket; socket.create_connection(('10.0.0.1', 80), timeout=3)\"")
         assert r.exit_code != 0
+        check_raw_tcp(sb)
     status, body = get(url)  # closed with the sandbox
     assert status == 404, (status, body)
 
@@ -163,6 +205,11 @@ async def test_expose_async(aclient: shoal.AsyncClient) -> None:
                         break
                 assert time.monotonic() < deadline, answer.status
                 await asyncio.sleep(0.2)
+        reader, writer = await sb.open_tcp(8001)  # raw bytes: the HTTP here is ours, not the relay's
+        writer.write(b"GET /a.txt HTTP/1.0\r\n\r\n")
+        answer = await reader.read()
+        writer.close()
+        assert answer.startswith(b"HTTP/1.0 200") and answer.endswith(b"\r\n\r\nasync"), answer
 
 
 def test_expose_on_a_microvm(client: shoal.Client) -> None:
@@ -209,6 +256,8 @@ def test_expose_through_a_gateway_over_two_nodes(cluster) -> None:  # noqa: ANN0
             urls = []
             for sb in made:
                 url = check_exposed(sb, ws=sb is made[0])
+                if sb is made[0]:
+                    check_raw_tcp(sb)
                 assert url.startswith(f"http://{gw.http}/ports/{sb.id}/8000.")
                 urls.append(url)
                 plain = f"http://{gw.http}/ports/{sb.id}/8000/hello.txt"

@@ -13,6 +13,9 @@ caller may reach it, all read from the request head only:
   E2B layer's `get_host` gives: no wildcard DNS needed), any path, passed on unchanged; the key opens
   every port of that sandbox (E2B's traffic token does the same).
 
+With `Upgrade: shoal-tcp` (client/ports.py: `sb.open_tcp`, `sb.forward`) the relay answers 101 and the
+connection then carries the port's raw bytes (any TCP protocol), nothing sent to the port first.
+
 Anything else goes to the HTTP server behind (aiohttp's protocol) untouched: `Demux` sits in front of it
 at the protocol level, so one port serves both and TLS (terminated before it) covers both. A relayed
 request gets `Connection: close` (unless it upgrades): the next request on a kept-alive connection would
@@ -42,6 +45,7 @@ MAX_HEAD = 64 << 10  # a request head larger than this is not ours: the HTTP ser
 PREFIX = b"/ports/"
 _CHUNK = 1 << 16
 _BASIC_USER = re.compile(r"^(\d{1,5})-(.+)\.([0-9a-f]{16,64})$")
+RAW_UPGRADE = b"shoal-tcp"  # client/ports.py: a raw TCP stream instead of an HTTP request
 _HOP = {b"connection", b"keep-alive", b"proxy-connection", b"authorization"}
 
 
@@ -56,6 +60,7 @@ class Target:
     head: bytes = b""  # the request head to send on (rewritten)
     peer: str = ""  # the client's address
     secure: bool = False  # it came over TLS
+    raw: bool = False  # `Upgrade: shoal-tcp`: answered 101, then raw bytes (no HTTP sent to the port)
 
 
 class RelayError(Exception):
@@ -106,6 +111,7 @@ def parse(head: bytes) -> Target | None:
         if scheme.lower() == b"bearer":
             target.token = value.strip().decode("latin-1") or None
         target.head = _rewrite(method, rest + (b"?" + query if query else b""), version, headers)
+        target.raw = any(h[:8].lower() == b"upgrade:" and h[8:].strip().lower() == RAW_UPGRADE for h in headers)
         return target
     if scheme.lower() == b"basic":
         try:
@@ -243,7 +249,10 @@ class Demux(asyncio.Protocol):
             client[1].close()
             return
         self.transport._shoal_authenticated = True  # past netguard's first-request deadline
-        upstream[1].write(target.head)
+        if target.raw:
+            client[1].write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: shoal-tcp\r\nConnection: Upgrade\r\n\r\n")
+        else:
+            upstream[1].write(target.head)
         await pipe(client, upstream)
 
     def eof_received(self) -> bool | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal import ops, protocol, settings, tls
-from shoal.client import functions, localfs, tartree
+from shoal.client import functions, localfs, ports, tartree
 from shoal.client.gui import AsyncGui
 from shoal.client.image import ImageBuilder, placed
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
@@ -786,6 +786,15 @@ class AsyncSandbox:
         `<base>/ports/<id>/<port>/`. Each request opens one connection to the port (`Connection: close`)."""
         result = await self.client.call("expose", {"sandbox_id": self.id, "port": port})
         return reachable_url(result["url"], self.client)
+
+    async def open_tcp(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A raw TCP stream (any protocol) to `port` inside the sandbox, through the same relay as `expose`."""
+        return await ports.open_tcp(await self.expose(port), self.client._tls_context())
+
+    async def forward(self, port: int, local_port: int = 0) -> ports.PortForward:
+        """Listen on 127.0.0.1:`local_port` (0: any free one; see `.address`) and carry every connection to
+        `port` inside the sandbox as raw TCP; `await fwd.close()` stops it."""
+        return await ports.PortForward(await self.expose(port), self.client._tls_context()).start(port=local_port)
 
     async def pause(self) -> dict[str, Any]:
         """Pause: a container is frozen and its memory reclaimed; a VM is saved to disk and its QEMU stopped.

@@ -226,6 +226,24 @@ class Client:
         return self._run(self._async.image_export(name, path))
 
 
+class PortForward:
+    """A local TCP port carried to a port inside a sandbox (see AsyncSandbox.forward)."""
+
+    def __init__(self, client: Client, inner: Any) -> None:
+        self._client = client
+        self._inner = inner
+        self.address: str = inner.address
+
+    def close(self) -> None:
+        self._client._run(self._inner.close())
+
+    def __enter__(self) -> PortForward:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class Sandbox:
     """Blocking handle on one sandbox; `with client.create(...) as sb:` closes it at the end."""
 
@@ -304,6 +322,11 @@ class Sandbox:
     def expose(self, port: int) -> str:
         """See AsyncSandbox.expose: a URL reaching `port` inside the sandbox through the node or gateway."""
         return self._client._run(self._inner.expose(port))
+
+    def forward(self, port: int, local_port: int = 0) -> PortForward:
+        """See AsyncSandbox.forward: 127.0.0.1:<local port> (`.address`) carries raw TCP to `port` inside the
+        sandbox, served on the client's loop thread until `.close()` (or the `with` block's end)."""
+        return PortForward(self._client, self._client._run(self._inner.forward(port, local_port)))
 
     def pause(self) -> dict[str, Any]:
         return self._client._run(self._inner.pause())
