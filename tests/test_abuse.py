@@ -6,6 +6,7 @@ here the bound is only "answers within a few seconds" (a 2-core machine shared w
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -298,3 +299,138 @@ def test_large_uploads_and_downloads_stream_through_the_node(tmp_path: Path) -> 
     finally:
         node.stop()
     assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
+# ---------------------------------------------------------------- every HTTP port against slow peers (issue 19 item 6)
+
+
+@pytest.fixture(scope="module")
+def ports(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """A node (TCP, HTTP, E2B in its process), a gateway (TCP, HTTP, E2B) and a standalone E2B server, all
+    with a 3 s deadline for a peer to show a token."""
+    from conftest import no_leftovers
+
+    from shoal.cluster.local import LocalCluster
+    from shoal.e2b.local import LocalE2B
+
+    workdir = tmp_path_factory.mktemp("ports")
+    saved = dict(os.environ)
+    os.environ.update(SHOAL_AUTH_TIMEOUT_S="3", SHOAL_E2B="127.0.0.1:0")
+    lc = servers = None
+    try:
+        lc = LocalCluster(workdir / "cluster", nodes=1, prefix="ab")
+        gateway = lc.add_gateway("--e2b", "127.0.0.1:0")
+        servers = LocalE2B(f"shoal://{lc.nodes[0].address}", workdir, "e2b")
+    except BaseException:
+        if lc is not None:
+            lc.stop()
+        raise
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    deadline = time.monotonic() + 60
+    while not ((lc.nodes[0].home / "node.e2b").exists() and Path(f"{gateway.addr_file}.e2b").exists()):
+        assert time.monotonic() < deadline, "the node or gateway never served E2B"
+        time.sleep(0.05)
+    try:
+        yield {
+            "cluster": lc,
+            "http": {
+                "gateway-http": gateway.http,
+                "node-http": lc.nodes[0].http,
+                "e2b": servers.url.removeprefix("http://"),
+                "node-e2b": (lc.nodes[0].home / "node.e2b").read_text().strip(),
+                "gateway-e2b": Path(f"{gateway.addr_file}.e2b").read_text().strip(),
+            },
+        }
+    finally:
+        servers.stop()
+        lc.stop()
+    assert not no_leftovers(lc.nodes[0].home, lc.nodes[0].cgroup_parent, node_stopped=True)
+
+
+def _connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=30)
+
+
+def _held_for(sock: socket.socket, drip: bytes | None, limit: float) -> float | None:
+    """Seconds until the peer closes `sock` while we send `drip` (if any) every 0.5 s; None if still open
+    after `limit`."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit:
+        try:
+            if drip:
+                sock.sendall(drip)
+            sock.settimeout(0.5)
+            if sock.recv(65536) == b"":
+                return time.monotonic() - start
+        except (TimeoutError, socket.timeout):
+            continue
+        except OSError:
+            return time.monotonic() - start
+    return None
+
+
+HTTP_PORTS = ["gateway-http", "node-http", "e2b", "node-e2b", "gateway-e2b"]
+REQUEST_HEAD = b"GET /healthz HTTP/1.1\r\nHost: x\r\n"
+
+
+@pytest.mark.parametrize("port", HTTP_PORTS)
+def test_http_ports_close_silent_and_slowloris_peers(ports: dict, port: str) -> None:
+    """A peer that connects and says nothing, one that drips a request's headers a line at a time, and one
+    that sends a whole request without a token (public, or refused) and then drips the next: each is closed
+    at the deadline (3 s here), not held for ever (the E2B port held all three; the HTTP ports the last)."""
+    address = ports["http"][port]
+    limit = 20  # the deadline is 3 s (a loaded machine gets a wide margin); aiohttp alone closes at 30 s
+    with _connect(address) as silent:
+        assert _held_for(silent, None, limit) is not None, f"{port}: a silent connection was held {limit} s"
+    with _connect(address) as slow:
+        slow.sendall(REQUEST_HEAD)
+        assert _held_for(slow, b"X-Pad: x\r\n", limit) is not None, f"{port}: a header drip was held {limit} s"
+    for first in (REQUEST_HEAD + b"\r\n", REQUEST_HEAD + b"Authorization: Bearer not-a-token\r\n\r\n"):
+        with _connect(address) as sneaky:
+            sneaky.sendall(first)
+            sneaky.settimeout(30)
+            assert sneaky.recv(12).startswith(b"HTTP/1.1"), f"{port}: no answer to a whole request"
+            sneaky.sendall(REQUEST_HEAD)
+            held = _held_for(sneaky, b"X-Pad: x\r\n", limit)
+            assert held is not None, f"{port}: after one request without a valid token, a drip was held {limit} s"
+
+
+@pytest.mark.parametrize("port", HTTP_PORTS)
+def test_http_keeps_an_authenticated_connection_past_the_deadline(ports: dict, port: str) -> None:
+    """The deadline is for peers without a token: a keep-alive connection whose request carried an accepted
+    one is served again after it."""
+    lc = ports["cluster"]
+    token = lc.project_tokens["default"]
+    path = {"gateway-http": "/v1/sandboxes", "node-http": "/run_code"}.get(port, "/sandboxes")
+    method = b"POST" if port == "node-http" else b"GET"
+    body = b'{"code": "print(1)", "language": "python"}' if port == "node-http" else b""
+    request = (
+        method + b" " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token.encode()
+        + b"\r\nX-API-KEY: " + token.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode() + b"\r\n\r\n" + body
+    )  # fmt: skip
+    with _connect(address := ports["http"][port]) as sock:
+        for _ in range(2):
+            sock.sendall(request)
+            sock.settimeout(120)
+            head = sock.recv(65536)
+            assert head.startswith(b"HTTP/1.1 200"), (address, head[:200])
+            _drain(sock, head)
+            time.sleep(5)  # past the 3 s deadline
+
+
+def _drain(sock: socket.socket, data: bytes) -> None:
+    """Read the rest of one HTTP response (Content-Length or chunked) so the next request starts clean."""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, rest = data.partition(b"\r\n\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])}
+    if b"content-length" in headers:
+        while len(rest) < int(headers[b"content-length"]):
+            rest += sock.recv(65536)
+    elif headers.get(b"transfer-encoding") == b"chunked":
+        while not rest.endswith(b"0\r\n\r\n"):
+            rest += sock.recv(65536)

@@ -82,6 +82,15 @@ class ConnectionGuard:
         self.listener._release(self)
 
 
+def mark_authenticated(transport: asyncio.BaseTransport | None) -> None:
+    """An HTTP request on `transport` carried an accepted token: the connection leaves the first-request
+    deadline (and the unauthenticated caps). Only a valid token may do this: a public or refused request
+    must not, or a peer without a token could send one and then drip the next request's headers for ever
+    (aiohttp has no header timeout)."""
+    if transport is not None:
+        transport._shoal_authenticated = True  # type: ignore[attr-defined]
+
+
 class _Watched(asyncio.Protocol):
     """Passes everything to `inner` (an HTTP server's protocol) and resolves `closed` when the connection ends."""
 

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from shoal import console, ops, portrelay, settings, tls
+from shoal import console, netguard, ops, portrelay, settings, tls
 from shoal.cluster import fusion
 from shoal.cluster.consoles import GatewayConsole, NodeConsole
 from shoal.cluster.metrics import CONTENT_TYPE, node_metrics
@@ -64,7 +64,8 @@ async def _start(
     closer and the URL served.
 
     Connections come through shoal.netguard (per-peer caps, EMFILE back-off); one that has not sent a
-    request within the auth timeout is closed, and aiohttp closes idle keep-alive ones."""
+    request with an accepted token (or console session, or port key) within the auth timeout is closed, and
+    aiohttp closes idle keep-alive ones."""
     host, port = parse_hostport(where)
     # shutdown_timeout: requests in flight at a SIGTERM get this long, not aiohttp's 60 s (a client that
     # never finishes its body held a stopping gateway that long)
@@ -93,12 +94,9 @@ async def _start(
     return close, url
 
 
-@web.middleware
-async def _seen(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Any:
-    """A request arrived whole (headers parsed): the connection is past netguard's first-request deadline."""
-    if request.transport is not None:
-        request.transport._shoal_authenticated = True  # type: ignore[attr-defined]
-    return await handler(request)
+def mark_authenticated(request: web.Request) -> None:
+    """The request's token was accepted (see netguard.mark_authenticated; public ones do not count)."""
+    netguard.mark_authenticated(request.transport)
 
 
 async def serve_node_http(
@@ -122,6 +120,7 @@ async def serve_node_http(
         checked = session(projects)
         checked.identity = projects.tokens.authenticate(fusion.token_of(request))
         request["session"] = checked
+        mark_authenticated(request)
 
     async def run_code(request: web.Request, args: dict[str, Any]) -> Any:
         op = server.ops["fn_run_code"]
@@ -156,7 +155,7 @@ async def serve_node_http(
                 )
         return await service.open_port(target.sandbox_id, target.port)
 
-    app = web.Application(middlewares=[_seen], client_max_size=MAX_BODY)
+    app = web.Application(client_max_size=MAX_BODY)
     app.add_routes([web.get("/metrics", metrics), web.get("/healthz", healthz)])
     app.add_routes(fusion.routes(authenticate, run_code, _error))
     console.mount(app, NodeConsole(server, registry, session))
@@ -202,6 +201,7 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
             request["identity"] = gateway.tokens.authenticate(fusion.token_of(request))
         except ShoalError as exc:
             return _error(exc)
+        mark_authenticated(request)
         if request.content_length is not None and request.content_length > MAX_BODY:
             return web.json_response(
                 {"error": "InvalidRequestError", "message": f"body over {MAX_BODY} bytes (SHOAL_HTTP_MAX_BODY)"},
@@ -307,7 +307,7 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
             project = None if ident.cluster else ident.project
         return await gateway.open_port(target, project)
 
-    app = web.Application(middlewares=[_seen, authenticate], client_max_size=MAX_BODY)
+    app = web.Application(middlewares=[authenticate], client_max_size=MAX_BODY)
     app.add_routes(fusion.routes(lambda _request: None, run_code, _error))  # authenticated by the middleware
     app.add_routes(
         [

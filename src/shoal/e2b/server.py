@@ -22,6 +22,7 @@ from aiohttp import web
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from e2b.envd.process.process_connect import ProcessASGIApplication
 
+from shoal import netguard
 from shoal.config import parse_hostport, write_address
 from shoal.e2b import interpreter
 from shoal.e2b.api import ControlPlane, api_key, envd_error_response
@@ -59,8 +60,21 @@ class E2BServer:
         }
         self.interpreter = interpreter.Interpreter(self.backend)
 
+    @web.middleware
+    async def _authenticated(self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
+        """A request whose key the target accepts lets its connection past netguard's first-request deadline;
+        one without a key or with a refused one does not (the handler answers it as before)."""
+        token = request.headers.get("X-Access-Token") or api_key(request)
+        try:
+            await self.backend.client(token)
+        except Exception:  # noqa: BLE001 - the handler makes the error response
+            pass
+        else:
+            netguard.mark_authenticated(request.transport)
+        return await handler(request)
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(client_max_size=1 << 30, middlewares=[self._authenticated])
         app.add_routes(self.control.routes())
         app.add_routes(
             [
@@ -146,12 +160,19 @@ async def start(target: Target, listen: str, addr_file: Any = None) -> Callable[
     # SIGTERM, not aiohttp's 60 s, so a stopping gateway or node exits promptly
     runner = web.AppRunner(E2BServer(target).app(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()  # type: ignore[union-attr]
+    # through netguard like every other port: per-peer caps, and a connection that shows no accepted key
+    # within SHOAL_AUTH_TIMEOUT_S is closed (aiohttp alone held an idle or slowly dripping one for ever)
+    listener = await netguard.serve_tcp(None, host, port, name="e2b", protocol_factory=runner.server)
+    bound = listener.sockets[0].getsockname()
     if addr_file:
         write_address(addr_file, bound[0], bound[1])
-    return runner.cleanup
+
+    async def close() -> None:
+        listener.close()
+        await listener.wait_closed()
+        await runner.cleanup()
+
+    return close
 
 
 async def serve(target: Target, listen: str, addr_file: str | None = None) -> None:
