@@ -365,7 +365,7 @@ def _held_for(sock: socket.socket, drip: bytes | None, limit: float) -> float | 
             sock.settimeout(0.5)
             if sock.recv(65536) == b"":
                 return time.monotonic() - start
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             continue
         except OSError:
             return time.monotonic() - start
