@@ -288,7 +288,11 @@ PREAUTH_FRAME: Setting[int] = _declare(
     "SHOAL_PREAUTH_FRAME", int, 16 << 10, NETWORK, "Largest frame (bytes) before a TCP peer has authenticated."
 )
 AUTH_TIMEOUT_S: Setting[float] = _declare(
-    "SHOAL_AUTH_TIMEOUT_S", float, 10.0, NETWORK, "Seconds a TCP peer has to authenticate."
+    "SHOAL_AUTH_TIMEOUT_S",
+    float,
+    10.0,
+    NETWORK,
+    "Seconds a peer has to show an accepted token (TCP, HTTP and E2B ports).",
 )
 CONN_IDLE_TIMEOUT_S: Setting[float] = _declare(
     "SHOAL_CONN_IDLE_TIMEOUT_S", float, 900.0, NETWORK, "Seconds an authenticated idle connection stays open."
