@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
+from shoal import netguard
 from shoal.console import views
 from shoal.console.backend import Backend, Viewer
 from shoal.console.sessions import COOKIE, SESSION_S, Sessions
@@ -71,7 +72,9 @@ def mount(app: web.Application, backend: Backend) -> None:
 
     def viewer_of(request: web.Request) -> Viewer:
         backend.check_transport(request.remote or "", request.secure)
-        return sessions.viewer(request.cookies.get(COOKIE))
+        viewer = sessions.viewer(request.cookies.get(COOKIE))
+        netguard.mark_authenticated(request.transport)  # a live session: past the first-request deadline
+        return viewer
 
     def api(handler: Callable[[web.Request, Viewer], Awaitable[Any]]) -> Handler:
         async def wrapped(request: web.Request) -> web.StreamResponse:
@@ -104,6 +107,7 @@ def mount(app: web.Application, backend: Backend) -> None:
             body = await request.json() if request.can_read_body else {}
             token = body.get("token") if isinstance(body, dict) else None
             viewer = backend.authenticate(token.strip() if isinstance(token, str) else None)
+            netguard.mark_authenticated(request.transport)
         except json.JSONDecodeError:
             return _error(InvalidRequestError('the login body is JSON: {"token": ...}'))
         except Exception as exc:
