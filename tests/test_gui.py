@@ -104,3 +104,32 @@ async def test_async_gui_and_a_paused_desktop(aclient: shoal.AsyncClient) -> Non
         assert (await sb.gui.screenshot()).size == (640, 480)
     finally:
         await sb.close()
+
+
+def test_a_vm_screen_through_qmp_alone(client: shoal.Client) -> None:
+    """A `vm` with a screen: QEMU's VGA and input, driven from the host over QMP (nothing in the guest takes
+    part); shoal's Debian shows a root shell on tty1, so typing a command there runs it."""
+    if "vm" not in client.kinds():
+        pytest.skip("QEMU is not installed on this node")
+    with pytest.raises(shoal.InvalidRequestError, match="VGA mode"):
+        client.create("vm", image="debian", screen=(1000, 700), pool=False, ttl_s=60)
+    with client.create("vm", image="debian", screen=(1024, 768), pool=False, ttl_s=900) as vm:
+        first = vm.gui.screenshot()
+        assert first.size == (1024, 768) and _png_size(first.png) == (1024, 768)
+        assert len(_png_pixels(first.png)) == 768 * (1 + 1024 * 4) or len(_png_pixels(first.png)) == 768 * (
+            1 + 1024 * 3
+        )
+        vm.gui.move(500, 400)
+        assert vm.gui.cursor() == (500, 400)
+        vm.gui.click(10, 10)
+        before = vm.gui.screenshot()
+        vm.gui.type("echo hi > /tmp/gui-ok")
+        vm.gui.key("Return")
+        _wait(lambda: vm.exec("test -f /tmp/gui-ok").exit_code == 0, timeout=120, what="/tmp/gui-ok")
+        assert vm.files.read_text("/tmp/gui-ok") == "hi\n"
+        assert "echo hi > /tmp/gui-ok" in vm.exec("cat /dev/vcs1").stdout  # the console shows what was typed
+        after = vm.gui.screenshot()
+        assert after.size == (1024, 768) and _png_pixels(after.png) != _png_pixels(before.png)
+        with pytest.raises(shoal.InvalidRequestError, match="unknown key"):
+            vm.gui.key("NoSuchKeyName")
+        assert "gui" in [step["op"] for step in vm.log()]

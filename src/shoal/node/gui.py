@@ -23,6 +23,7 @@ from shoal.guest.client import AgentClient, ExecProcess
 
 HELPER_PATH = "/.shoal/gui_helper.py"
 DEFAULT_SCREEN = (1280, 800)
+SCREEN_KINDS = ("container", "vm")  # a vm's screen is QEMU's, driven over QMP (substrates/qemu/screen.py)
 SCREEN_IMAGES = ("desktop",)  # images whose sandboxes get DEFAULT_SCREEN when create names none
 ACTIONS = ("screenshot", "click", "move", "drag", "scroll", "type", "key", "cursor", "wait_for_change")
 _HELPER_SOURCE = Path(__file__).parents[1] / "guest" / "gui_helper.py"
@@ -134,7 +135,7 @@ class Screen:
 def no_screen(sandbox_id: str, kind: str) -> NoScreenError:
     return NoScreenError(
         f"sandbox {sandbox_id} ({kind}) has no screen: create it with image='desktop' (or screen=(w, h) on an "
-        "image with Xvfb and python3-xlib); GUI on VMs is not implemented yet"
+        "image with Xvfb and python3-xlib), or a kind='vm' with screen=(w, h)"
     )
 
 

@@ -416,9 +416,9 @@ class NodeService:
             raise InvalidRequestError(f"idle_timeout_s={spec.idle_timeout_s} must be positive (or None)")
         if spec.on_timeout not in ON_TIMEOUT:
             raise InvalidRequestError(f"on_timeout={spec.on_timeout!r}: choose one of {', '.join(ON_TIMEOUT)}")
-        if gui.screen_of(spec.image, spec.screen) is not None and spec.kind != "container":
+        if gui.screen_of(spec.image, spec.screen) is not None and spec.kind not in gui.SCREEN_KINDS:
             raise InvalidRequestError(
-                f"screen: GUI sandboxes are containers for now (kind='container', image='desktop'), not {spec.kind}"
+                f"screen: GUI sandboxes are containers (image='desktop') or vms (screen=(w, h)), not {spec.kind}"
             )
         if spec.snapshot is not None:
             substrate = self.substrates[spec.kind]
@@ -491,7 +491,9 @@ class NodeService:
             screen = None
             try:
                 await asyncio.wait_for(agent.hello(), 10)
-                if (size := gui.screen_of(spec.image, spec.screen)) is not None:
+                if spec.kind != "container":
+                    screen = substrate.screen(instance)  # a VM's screen is QEMU's (QMP), if it has one
+                elif (size := gui.screen_of(spec.image, spec.screen)) is not None:
                     screen = await gui.Screen.start(agent, *size)
             except BaseException:
                 await asyncio.shield(substrate.destroy(instance))

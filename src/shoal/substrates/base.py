@@ -90,6 +90,11 @@ class Substrate(ABC):
         """After a restart: remove whatever this kind left behind outside sandbox directories."""
         return None
 
+    def screen(self, instance: Instance) -> Any:
+        """A screen this kind drives from the host (a VM's, over QMP): an object with `act(action, args)` and
+        `close()` like node/gui.Screen; None when the sandbox has none (containers run an in-sandbox helper)."""
+        return None
+
     def loss_detail(self, instance: Instance) -> str:
         """What to add when a sandbox's agent stopped answering (e.g. a VM's console tail); empty if nothing."""
         return ""

@@ -18,6 +18,7 @@ from typing import Any
 
 from shoal import settings
 from shoal.errors import SandboxLostError
+from shoal.substrates.qemu import screen as screen_mod
 
 QEMU = settings.QEMU.get()
 
@@ -42,6 +43,7 @@ class MachineConfig:
     # only device state) and its copies map it privately (copy-on-write from the shared page cache).
     memory_file: str = ""
     memory_shared: bool = False
+    screen: list[int] | None = None  # [width, height]: a VGA display and a USB tablet (qemu/screen.py)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -110,6 +112,7 @@ class Machine:
             "-device", f"virtio-rng-{virtio},rng=rng0,id=rng0dev",
             "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
             "-pidfile", str(self.directory / "qemu.pid"),
+            *(screen_mod.device_args(c.machine) if c.screen else []),
             *c.extra_args,
         ]  # fmt: skip
         if incoming is not None:

@@ -38,6 +38,7 @@ from shoal.images import Image
 from shoal.protocol import SandboxSpec
 from shoal.substrates.base import Capabilities, Instance, Substrate
 from shoal.substrates.qemu import accel as accel_mod
+from shoal.substrates.qemu import screen as screen_mod
 from shoal.substrates.qemu.bridge import AgentBridge
 from shoal.substrates.qemu.disk import base_disk, file_part, overlay
 from shoal.substrates.qemu.kernel import cache_dir, ensure_boot_files
@@ -107,6 +108,10 @@ class QemuSubstrate(Substrate):
         cmdline = f"console=ttyS0 quiet panic=-1 shoal.mode={self.boot_mode} random.trust_cpu=on"
         if machine == "microvm" and accel.name == "tcg":  # no PIT/HPET reference: skip TSC calibration
             cmdline += " tsc_early_khz=1000000 tsc=reliable"
+        screen = list(spec.screen) if spec.screen else None
+        if screen is not None:
+            screen_mod.device_args(machine)  # refuses a machine without PCI
+            cmdline += f" vga={screen_mod.vga_mode(*screen):#x}"  # the framebuffer console at that size
         return MachineConfig(
             machine=machine,
             accel=accel.name,
@@ -115,6 +120,7 @@ class QemuSubstrate(Substrate):
             kernel=str(boot.kernel),
             initramfs=str(boot.initramfs),
             cmdline=cmdline,
+            screen=screen,
         )
 
     def machine_for(self, accel: str) -> str:
@@ -151,6 +157,8 @@ class QemuSubstrate(Substrate):
                 disk = await self.base_disk(image)
                 await asyncio.to_thread(overlay, directory / "disk.qcow2", disk)
                 await self._boot(directory, config, bridge)
+                if config.screen:
+                    await _start_console(AgentClient(str(instance.agent_socket)))
         except BaseException:
             await asyncio.shield(self.destroy(instance))
             raise
@@ -246,6 +254,8 @@ class QemuSubstrate(Substrate):
                 started = time.monotonic()
                 machine = await self._boot(build, boot_config, bridge)
                 booted = time.monotonic() - started
+                if config.screen:
+                    await _start_console(AgentClient(str(bridge.listen_path)))
                 await machine.save(build / "memory")
                 await machine.kill()
                 meta_data = {"config": config.to_json(), "kind": self.kind, "image": image.name, "boot_s": booted}
@@ -342,10 +352,40 @@ class QemuSubstrate(Substrate):
             _remove_dir(build)
         self.delete_all_snapshots()
 
+    def screen(self, instance: Instance) -> screen_mod.QmpScreen | None:
+        """The VM's display driven over QMP, if it was made with one (its machine config says)."""
+        running = self._machine(instance)
+        size = running.machine.config.screen
+        if not size:
+            return None
+
+        async def qmp(command: str, **arguments: object) -> object:
+            return await self._machine(instance).machine.qmp(command, **arguments)  # the machine changes on resume
+
+        return screen_mod.QmpScreen(qmp, instance.directory, size[0], size[1])
+
     def loss_detail(self, instance: Instance) -> str:
         """The console's tail: a guest kernel panic or an agent crash shows there."""
         running = self._running.get(instance.id)
         return running.machine.log_tail() if running and running.machine else ""
+
+
+# A root shell on the first virtual console, so a VM's screen shows a terminal the GUI can type into. Only
+# in guests that have bash (shoal's Debian); others show whatever their own init puts on the screen. It waits
+# for the shell's prompt on the screen (/dev/vcs1): a template saved before the shell opened its terminal
+# would drop the first keys its copies get (a console nobody has open discards input).
+_CONSOLE = """test -x /bin/bash || exit 0
+setsid -f /bin/bash -c 'exec /bin/bash -l <>/dev/tty1 >&0 2>&1'
+i=0; while [ $i -lt 1200 ] && ! grep -q '[#$] *$' /dev/vcs1 2>/dev/null; do sleep 0.1; i=$((i+1)); done"""
+
+
+async def _start_console(agent: AgentClient) -> None:
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "TERM": "linux", "LANG": "C.UTF-8"}
+    proc = await agent.exec(["/bin/sh", "-c", _CONSOLE], env=env, cwd="/")
+    try:
+        await asyncio.wait_for(proc.collect(), 180)
+    finally:
+        await proc.close()
 
 
 def _flatten(source: Path, target: Path) -> None:
