@@ -168,6 +168,135 @@ class NodeProcess:
         return shoal.AsyncClient(home=str(self.home))
 
 
+# ---------------------------------------------------------------- leftovers of killed runs
+
+# Cgroup parents that tests (and LocalCluster) name after the pytest process: shoal-test-<pid>,
+# shoal-test-userns-<pid>, shoal-<node id>-<pid>... A parent whose <pid> no longer exists belongs to a run
+# that was killed before its fixtures could clean up. A live run's pid exists, so its parents never match.
+_RUN_PARENT = re.compile(r"^shoal-[A-Za-z0-9._-]+-([0-9]+)$")
+
+
+def dead_run_parents() -> list[str]:
+    """Cgroup parents of test runs whose process is gone (in any hierarchy, v1 or v2)."""
+    from shoal import cgroups
+
+    root = cgroups.ROOT
+    hierarchies = [root] if cgroups.layout() == "v2" else [h for h in root.iterdir() if h.is_dir()]
+    found = set()
+    for hierarchy in hierarchies:
+        try:
+            entries = list(hierarchy.glob("shoal-*"))
+        except OSError:
+            continue
+        for entry in entries:
+            match = _RUN_PARENT.match(entry.name)
+            if match and entry.is_dir() and not Path(f"/proc/{match[1]}").exists():
+                found.add(entry.name)
+    return sorted(found)
+
+
+def _environ(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
+
+
+def _nodes_of(parent: str) -> list[int]:
+    """Node processes (python -m shoal.node) started with SHOAL_CGROUP_PARENT=parent."""
+    wanted = b"\0SHOAL_CGROUP_PARENT=" + parent.encode() + b"\0"
+    nodes = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:3] == [b"-m", b"shoal.node"] and wanted in b"\0" + _environ(proc.name):
+            nodes.append(int(proc.name))
+    return nodes
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def sweep_dead_run(parent: str) -> list[str]:
+    """Remove what the killed run owning cgroup `parent` left: its node (stopped with SIGTERM, so it closes its
+    sandboxes and network as usual; SIGKILL if it hangs), then whatever is still there: processes in the
+    parent's cgroups, the mounts of its sandboxes (found by sandbox ID, which is the cgroup's name) and the
+    node's shared sandboxes mount, and the cgroups. Returns what it did, for the session's log."""
+    from shoal import cgroups
+
+    done = []
+    for pid in _nodes_of(parent):
+        try:
+            os.kill(pid, signal.SIGTERM)
+            if not _gone(pid, 60):
+                os.kill(pid, signal.SIGKILL)
+                _gone(pid, 10)
+        except ProcessLookupError:  # another run's sweep got there first
+            continue
+        done.append(f"stopped node {pid}")
+    root = Path("/sys/fs/cgroup")
+    ids = {
+        p.name for h in [root, *root.iterdir()] if (h / parent).is_dir() for p in (h / parent).iterdir() if p.is_dir()
+    }
+    for freezer in [root / "freezer" / parent, root / parent]:  # frozen tasks do not die until thawed
+        for state in [*freezer.glob("*/freezer.state"), *freezer.glob("*/cgroup.freeze")]:
+            try:
+                state.write_text("THAWED" if state.name == "freezer.state" else "0")
+            except OSError:
+                pass
+    paths = [f"/{parent}/{sandbox_id}" for sandbox_id in sorted(ids)] + [f"/{parent}"]
+    killed: set[int] = set()
+    deadline = time.monotonic() + 30
+    while (alive := {pid for path in paths for pid in cgroups.procs(path)}) and time.monotonic() < deadline:
+        for pid in alive - killed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        killed |= alive
+        time.sleep(0.1)
+    if killed:
+        done.append(f"killed {len(killed)} processes")
+    targets = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        target = line.split()[4]
+        for sandbox_id in ids:
+            home, marker, rest = target.partition(f"/sandboxes/{sandbox_id}")
+            if marker and rest[:1] in ("", "/"):
+                targets += [target, home + "/sandboxes"]
+    for target in sorted(set(targets), key=len, reverse=True):  # deepest first
+        if subprocess.run(["umount", "-l", target], capture_output=True).returncode == 0:
+            done.append(f"unmounted {target}")
+    for path in paths:
+        cgroups.remove(path)
+    for directory in cgroups.candidate_dirs(f"/{parent}"):
+        if os.path.isdir(directory):
+            done.append(f"could not remove {directory}")
+    return done
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _sweep_killed_runs() -> None:
+    """Before anything starts: what earlier runs that were killed (SIGKILL, a CI timeout) left behind. Only
+    parents named after a pid that no longer exists are touched, so concurrent live runs are safe."""
+    for parent in dead_run_parents():
+        for line in sweep_dead_run(parent):
+            print(f"swept {parent}: {line}")
+
+
 @pytest.fixture(scope="session")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     home = tmp_path_factory.mktemp("shoal-home")

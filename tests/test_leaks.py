@@ -141,3 +141,33 @@ def test_full_disk_is_a_clear_capacity_error(tmp_path) -> None:  # noqa: ANN001
         assert not no_leftovers(small.home, small.cgroup_parent, node_stopped=True)
     finally:
         subprocess.run(["umount", "-l", str(home)], check=False)
+
+
+@pytest.mark.parametrize("node_state", ["running", "killed"])
+def test_the_session_sweeper_clears_a_killed_runs_leftovers(tmp_path, node_state: str) -> None:  # noqa: ANN001
+    """A run killed before its fixtures ran leaves its node (or, if that was killed too, its sandboxes) behind
+    under a cgroup parent named after its pid: conftest's sweeper finds the parent by the dead pid and clears
+    it; the parents of live runs (this one's included) are never candidates."""
+    import subprocess
+
+    from conftest import dead_run_parents, sweep_dead_run
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer exists: the "killed run"
+    parent = f"shoal-test-sweep-{gone.pid}"
+    node = NodeProcess(tmp_path / "home", parent).start()
+    with node.client() as client:
+        for _ in range(2):
+            sb = client.create(image="busybox", pool=False, ttl_s=600)
+            sb.exec("sleep 1000 >/dev/null 2>&1 &")
+        client.create(image="busybox", pool=False, ttl_s=600).pause()
+    if node_state == "killed":
+        node.stop(signal.SIGKILL)
+    assert parent in dead_run_parents()
+    assert f"shoal-test-{os.getpid()}" not in dead_run_parents()  # this run is alive
+    sweep_dead_run(parent)
+    assert parent not in dead_run_parents()
+    found = no_leftovers(node.home, parent, node_stopped=True)
+    if node_state == "killed":  # no node cleaned the sandboxes' directories; nothing else may stay
+        found.pop("dirs", None)
+    assert not found, found
