@@ -9,7 +9,15 @@ from collections.abc import Iterator
 import pytest
 import requests
 from conftest import no_leftovers
-from sandbox_fusion import RunCodeRequest, RunCodeResponse, SummaryMapping, run_code, summary_run_code_result
+from sandbox_fusion import (
+    RunCodeRequest,
+    RunCodeResponse,
+    RunJupyterRequest,
+    SummaryMapping,
+    run_code,
+    run_jupyter,
+    summary_run_code_result,
+)
 
 from shoal.cluster.local import LocalCluster
 
@@ -119,6 +127,46 @@ def test_tokens_and_bad_requests(cluster: LocalCluster) -> None:
         assert go.status_code == 200 and go.json()["status"] == "SandboxError" and "'go'" in go.json()["message"]
         with pytest.raises(Exception, match="SandboxError|not supported"):
             _run(endpoint, code="x", language="rust")
+
+
+def test_run_jupyter_cells_share_a_namespace(cluster: LocalCluster) -> None:
+    """The sandbox-fusion client's run_jupyter: cells run in order in one namespace, each with its own
+    stdout, stderr, display (the last expression) and error; a cell that raises or overruns cell_timeout
+    has its error and the next cells still run; a notebook over total_timeout is a Failed driver."""
+    cells = [
+        "a = 123",
+        "a",
+        "print(a)",
+        "import sys; sys.stderr.write('stderr message')",
+        "raise RuntimeError('error message')",
+        "import time; time.sleep(30)",
+        "print(open('in.txt').read()); open('out.txt', 'w').write(str(a * 2))",
+    ]
+    for endpoint in _endpoints(cluster):
+        request = RunJupyterRequest(
+            cells=cells, cell_timeout=2, total_timeout=60, files={"in.txt": base64.b64encode(b"given").decode()},
+            fetch_files=["out.txt"],
+        )  # fmt: skip
+        notebook = run_jupyter(request, endpoint=endpoint, max_attempts=1, client_timeout=120)
+        assert notebook.status == "Success" and len(notebook.cells) == len(cells), notebook
+        first, value, printed, err, raised, slow, files = notebook.cells
+        assert first.display == [] and first.error == [] and first.stdout == ""
+        assert value.display == [{"text/plain": "123"}]
+        assert printed.stdout == "123\n" and printed.display == []
+        assert err.stderr == "stderr message" and err.display == [{"text/plain": "14"}]
+        assert raised.error[0]["ename"] == "RuntimeError" and raised.error[0]["evalue"] == "error message"
+        assert slow.error[0]["ename"] == "TimeoutError", slow
+        assert files.stdout == "given\n" and files.error == [], files
+        assert base64.b64decode(notebook.files["out.txt"]) == b"246"
+        over = run_jupyter(
+            RunJupyterRequest(cells=["import time; time.sleep(300)"], total_timeout=1),
+            endpoint=endpoint, max_attempts=1, client_timeout=120,
+        )  # fmt: skip
+        assert over.status == "Failed" and over.driver.status == "TimeLimitExceeded" and over.cells == [], over
+        rust = requests.post(f"{endpoint}/run_jupyter", json={"cells": ["1"], "kernel": "rust"}, timeout=60).json()
+        assert rust["status"] == "SandboxError" and "kernel" in rust["message"], rust
+    plain = "http://" + _endpoints(cluster)[0].partition("@")[2]
+    assert requests.post(f"{plain}/run_jupyter", json={"cells": ["1"]}, timeout=60).status_code == 401
 
 
 def test_verl_reward_helper_scores_through_the_gateway(cluster: LocalCluster) -> None:

@@ -1,4 +1,5 @@
-"""SandboxFusion's `POST /run_code` on the node's and the gateway's HTTP, served by the `fn_run_code` operation.
+"""SandboxFusion's `POST /run_code` and `POST /run_jupyter` on the node's and the gateway's HTTP, served by the
+`fn_run_code` operation.
 
 Code-RL reward functions (verl's sandbox-fusion helper, the `sandbox-fusion` client package) speak this API;
 pointing their endpoint at shoal makes them score on shoal's warm function workers without changes.
@@ -12,6 +13,14 @@ Response (RunCodeResponse):
 
 A program that runs over its memory limit is killed: its run_result is Finished with the kill's return code
 and the response says `memory limit exceeded` in `message` (SandboxFusion has no status of its own for it).
+
+`POST /run_jupyter` (RunJupyterRequest: {cells, cell_timeout, total_timeout, kernel: python3, files,
+fetch_files}) runs the cells in order in ONE Python process sharing one namespace, as a notebook's kernel
+would, through the same `fn_run_code` (a small driver program, JUPYTER_DRIVER): no Jupyter kernel, so rich
+display is the value of a cell's last expression as `{"text/plain": repr}`; every cell runs even after
+another raised, each with its stdout, stderr, display and error (ename, evalue, traceback) like
+SandboxFusion's runner; `cell_timeout` interrupts a cell (TimeoutError in its error), `total_timeout` the
+whole run (driver TimeLimitExceeded, status Failed).
 
 Authentication: the same tokens as the rest of the API, as `Authorization: Bearer <token>` or as HTTP basic
 auth with the token as password, which is what `requests` sends for an endpoint written
@@ -139,6 +148,101 @@ def sandbox_error(message: str) -> dict[str, Any]:
     return {"status": "SandboxError", "message": message, "compile_result": None, "run_result": None, "files": {}}
 
 
+JUPYTER_OUT = ".shoal-jupyter.json"
+# runs as main.py in the function worker's forked child; CELLS and CELL_TIMEOUT are prepended as literals
+JUPYTER_DRIVER = """
+import ast, io, json, signal, sys, traceback
+
+
+class CellTimeout(Exception):
+    pass
+
+
+def _alarm(_signum, _frame):
+    raise CellTimeout(f"the cell ran longer than its cell_timeout of {CELL_TIMEOUT}s")
+
+
+signal.signal(signal.SIGALRM, _alarm)
+namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+real = sys.stdout, sys.stderr
+cells = []
+for index, source in enumerate(CELLS):
+    out, err = io.StringIO(), io.StringIO()
+    result = {"stdout": "", "stderr": "", "display": [], "error": [], "status": "ok"}
+    sys.stdout, sys.stderr = out, err
+    try:
+        if CELL_TIMEOUT:
+            signal.setitimer(signal.ITIMER_REAL, CELL_TIMEOUT)
+        name = f"<cell {index}>"
+        tree = ast.parse(source, name)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, name, "exec"), namespace)
+        if last is not None:
+            value = eval(compile(ast.Expression(last.value), name, "eval"), namespace)
+            if value is not None:
+                result["display"].append({"text/plain": repr(value)})
+    except BaseException as exc:
+        kind = "TimeoutError" if isinstance(exc, CellTimeout) else type(exc).__name__
+        lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        result["error"].append({"ename": kind, "evalue": str(exc), "traceback": lines})
+        result["status"] = "error"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        sys.stdout, sys.stderr = real
+    result["stdout"], result["stderr"] = out.getvalue(), err.getvalue()
+    cells.append(result)
+with open(OUT, "w") as handle:
+    json.dump(cells, handle)
+"""
+
+
+def jupyter_args(body: dict[str, Any]) -> dict[str, Any]:
+    """A RunJupyterRequest as `fn_run_code` arguments: the driver with the cells, the notebook's output file
+    fetched with the caller's."""
+    cells = body.get("cells")
+    if not isinstance(cells, list) or not all(isinstance(c, str) for c in cells):
+        raise FusionRequestError("`cells` (a list of strings) is required")
+    kernel = body.get("kernel") or "python3"
+    if kernel != "python3":
+        raise FusionRequestError(f"kernel {kernel!r} is not supported; shoal runs 'python3' notebooks")
+    cell_timeout = body.get("cell_timeout") or 0
+    if not isinstance(cell_timeout, int | float) or cell_timeout < 0:
+        raise FusionRequestError("cell_timeout is a number of seconds (0: none)")
+    total = _seconds(body.get("total_timeout"), 45.0)
+    fetch = body.get("fetch_files") or []
+    prelude = f"CELLS = {cells!r}\nCELL_TIMEOUT = {float(cell_timeout)!r}\nOUT = {JUPYTER_OUT!r}\n"
+    args = to_args({**body, "code": prelude + JUPYTER_DRIVER, "language": "python", "run_timeout": total,
+                    "fetch_files": [*fetch, JUPYTER_OUT] if isinstance(fetch, list) else fetch})  # fmt: skip
+    return args
+
+
+def to_jupyter_response(raw: Any) -> dict[str, Any]:
+    """An `fn_run_code` answer of the driver as SandboxFusion's RunJupyterResponse."""
+    raw = msgspec.to_builtins(raw, builtin_types=(bytes,))
+    files = dict(raw.get("files") or {})
+    notebook = files.pop(JUPYTER_OUT, None)
+    driver = _command(raw.get("run"))
+    cells: list[Any] = []
+    if notebook is not None:
+        try:
+            cells = json.loads(bytes(notebook))
+        except ValueError:
+            notebook = None
+    if notebook is None:
+        timed_out = driver is not None and driver["status"] == "TimeLimitExceeded"
+        message = "the notebook ran over its total_timeout" if timed_out else "the notebook's driver failed"
+    else:
+        message = ""
+    return {
+        "status": "Success" if notebook is not None else "Failed",
+        "message": message,
+        "driver": driver,
+        "cells": cells,
+        "executor_pod_name": None,
+        "files": {k: base64.b64encode(bytes(v)).decode() for k, v in files.items() if v is not None},
+    }
+
+
 Call = Callable[[web.Request, dict[str, Any]], Awaitable[Any]]  # (request, fn_run_code args) -> its answer
 
 
@@ -149,22 +253,30 @@ def routes(
     Authentication failures are HTTP errors (401, via `error`); everything else is a 200 in SandboxFusion's
     shape, a failure of shoal's as SandboxError."""
 
-    async def run_code(request: web.Request) -> web.Response:
-        try:
-            authenticate(request)
+    def handler(
+        shape: str, convert: Callable[[dict[str, Any]], dict[str, Any]], answer: Callable[[Any], dict[str, Any]]
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handle(request: web.Request) -> web.Response:
             try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise FusionRequestError(f"the body is not JSON: {exc}") from None
-            if not isinstance(body, dict):
-                raise FusionRequestError("the body is a JSON object (SandboxFusion's RunCodeRequest)")
-            answer = to_response(await call(request, to_args(body)))
-        except AuthenticationError as exc:
-            return error(exc)
-        except Exception as exc:  # shoal could not run it: SandboxFusion's SandboxError, with the cause
-            if not isinstance(exc, ShoalError):
+                authenticate(request)
+                try:
+                    body = await request.json()
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise FusionRequestError(f"the body is not JSON: {exc}") from None
+                if not isinstance(body, dict):
+                    raise FusionRequestError(f"the body is a JSON object (SandboxFusion's {shape})")
+                result = answer(await call(request, convert(body)))
+            except AuthenticationError as exc:
                 return error(exc)
-            return web.json_response(sandbox_error(f"{type(exc).__name__}: {exc}"))
-        return web.json_response(answer)
+            except Exception as exc:  # shoal could not run it: SandboxFusion's SandboxError, with the cause
+                if not isinstance(exc, ShoalError):
+                    return error(exc)
+                return web.json_response(sandbox_error(f"{type(exc).__name__}: {exc}"))
+            return web.json_response(result)
 
-    return [web.post("/run_code", run_code)]
+        return handle
+
+    return [
+        web.post("/run_code", handler("RunCodeRequest", to_args, to_response)),
+        web.post("/run_jupyter", handler("RunJupyterRequest", jupyter_args, to_jupyter_response)),
+    ]

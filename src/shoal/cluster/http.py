@@ -366,5 +366,12 @@ REST = {
     "/run_code": {
         "post": _route("SandboxFusion's run_code: its RunCodeRequest in, its RunCodeResponse out", "fn_run_code")
     },
+    "/run_jupyter": {
+        "post": _route(
+            "SandboxFusion's run_jupyter: its RunJupyterRequest in (python3 cells, one namespace), its "
+            "RunJupyterResponse out",
+            "fn_run_code",
+        )
+    },
 }
 OPENAPI: dict[str, Any] = ops.openapi(extra_paths=REST)  # generated from the operation table
