@@ -18,8 +18,8 @@ One private node (LocalCluster: own home, cgroup parent, a project token, TCP an
 
 CPU-ms per op is the machine's (all cores from /proc/stat: it includes other users' load on a shared host),
 and for shoal the node process's own and its sandboxes' (the cgroup parent holding the function workers and
-every call's child), the figure to set beside the raw fork's own CPU. `--profile DIR` also records py-spy flame data of the node
-during the shoal ways (py-spy is in the [dev] extra). Nothing here is asserted.
+every call's child), the figure to set beside the raw fork's own CPU. `--profile DIR` also records py-spy
+flame data of the node during the shoal ways (py-spy is in the [dev] extra). Nothing here is asserted.
 """
 
 from __future__ import annotations
