@@ -6,7 +6,10 @@ listener -> agent 'F' over its Unix socket, or the VM's serial mux -> 127.0.0.1:
 new connection on both paths (the relay answers `Connection: close`). Also: the node's CPU-ms per relayed
 request (its /proc stat before and after).
 
-    python bench/bench_ports.py [--requests 300] [--mb 64] [--runtime runsc] [--kind microvm]
+    python bench/bench_ports.py [--requests 300] [--mb 64] [--runtime runsc] [--kind microvm] [--gateway]
+
+--gateway: a local cluster (one node, one gateway, tokens) instead of the local node; the URL then goes
+through the gateway's HTTP, which opens a connection of its own to the node per request (port_connect).
 """
 
 from __future__ import annotations
@@ -90,11 +93,24 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=64)
     parser.add_argument("--runtime", default=None)
     parser.add_argument("--kind", default="container")
+    parser.add_argument("--gateway", action="store_true")
     args = parser.parse_args()
     node = BenchNode("ports")
+    cluster = None
+    home = node.home
+    if args.gateway:
+        import tempfile
+
+        from shoal.cluster.local import LocalCluster
+
+        cluster = LocalCluster(Path(tempfile.mkdtemp(prefix="bench-ports-")), nodes=1, prefix="bp")
+        gateway = cluster.add_gateway()
+        home = cluster.nodes[0].home
     host_server = subprocess.Popen([sys.executable, "-c", SERVER, "18777", str(args.mb)])
     try:
-        with shoal.Client() as client:
+        address = f"shoal://{gateway.address}" if cluster else None
+        token = cluster.project_tokens["default"] if cluster else None
+        with shoal.Client(address, token=token) as client:
             extra = {"runtime": args.runtime} if args.runtime else {}
             with client.create(args.kind, image="debian", network="none", pool=False, ttl_s=900, **extra) as sb:
                 sb.files.write("/srv/server.py", SERVER.encode())
@@ -110,13 +126,15 @@ def main() -> None:
                         if time.monotonic() > deadline:
                             raise
                         time.sleep(0.2)
-                what = f"{args.kind}{' ' + args.runtime if args.runtime else ''}"
+                what = f"{args.kind}{' ' + args.runtime if args.runtime else ''}{', via a gateway' if cluster else ''}"
                 print(f"sb.expose relay vs a direct connection ({what}, {args.requests} requests, same server)")
                 measure("direct (host server)", "http://127.0.0.1:18777/", args.requests, args.mb)
-                measure("relay (sandbox, network=none)", url, args.requests, args.mb, lambda: node_cpu_s(node.home))
+                measure("relay (sandbox, network=none)", url, args.requests, args.mb, lambda: node_cpu_s(home))
     finally:
         host_server.kill()
         host_server.wait()
+        if cluster is not None:
+            cluster.stop()
         node.stop()
 
 
