@@ -445,3 +445,98 @@ def test_snapshot_is_never_a_path_even_locally(client: shoal.Client, tmp_path: P
         with pytest.raises(shoal.InvalidRequestError, match="not a snapshot id"):
             client.delete_snapshot(bad)
     assert not marker.exists()
+
+
+# ------------------------------------------- the same attempts under every runtime, runsc included (issue 19 item 6)
+
+
+@pytest.fixture(scope="module", params=["crun", "runc", "runsc"])
+def any_runtime(client: shoal.Client, request: pytest.FixtureRequest) -> Iterator[shoal.Sandbox]:
+    """A debian sandbox under each runtime: these attempts are judged by what reaches the host, which every
+    runtime must stop (gVisor by its own kernel, crun and runc by seccomp, capabilities and masks)."""
+    if shutil.which(request.param) is None:
+        pytest.skip(f"runtime {request.param} is not installed on this host")
+    with client.create(image="debian", runtime=request.param, pool=False, ttl_s=600) as sandbox:
+        yield sandbox
+
+
+def _host_cgroup_file(node, sandbox_id: str, v2: str, v1: str) -> str:  # noqa: ANN001
+    rel = f"{node.cgroup_parent}/{sandbox_id}"
+    path = cgroups.ROOT / rel / v2 if cgroups.layout() == "v2" else cgroups.ROOT / v1 / rel / v2
+    return path.read_text()
+
+
+def _release_agents() -> dict[str, str]:
+    """The host's cgroup v1 release agents (what a cgroup escape rewrites to run a program on the host)."""
+    return {str(p): p.read_text() for p in cgroups.ROOT.glob("*/release_agent")}
+
+
+def test_cgroup_fs_gives_no_release_agent_and_no_limits(client: shoal.Client, node, any_runtime: shoal.Sandbox) -> None:  # noqa: ANN001
+    """The classic escape mounts a cgroup v1 hierarchy, sets notify_on_release and points release_agent at a
+    script; a lesser one raises the sandbox's own limits through /sys/fs/cgroup. Neither reaches the host."""
+    agents, pids_max = _release_agents(), _host_cgroup_file(node, any_runtime.id, "pids.max", "pids")
+    r = any_runtime.exec(
+        "mkdir -p /mnt/cg /mnt/cg2; for opts in 'cgroup -o rdma' 'cgroup -o memory' 'cgroup -o pids' 'cgroup2'; do"
+        " mount -t $opts none /mnt/cg 2>/dev/null && echo MOUNTED $opts; done;"
+        " for f in /sys/fs/cgroup/release_agent /sys/fs/cgroup/memory/release_agent"
+        " /sys/fs/cgroup/pids.max /sys/fs/cgroup/pids/pids.max /sys/fs/cgroup/memory.max /sys/fs/cgroup/cgroup.procs"
+        " /sys/fs/cgroup/notify_on_release; do"
+        " (echo max > $f) 2>/dev/null && echo WROTE $f; done; unshare -C -m true 2>/dev/null && echo UNSHARED; true",
+        timeout=60,
+    )
+    assert "MOUNTED" not in r.stdout and "WROTE" not in r.stdout and "UNSHARED" not in r.stdout, r.stdout
+    assert _release_agents() == agents
+    assert _host_cgroup_file(node, any_runtime.id, "pids.max", "pids") == pids_max
+    still_serving(client, any_runtime)
+
+
+def test_files_api_through_links_planted_inside(node, any_runtime: shoal.Sandbox, tmp_path: Path) -> None:  # noqa: ANN001
+    """Code in the sandbox plants links where the owner's files calls will go (into the agent's directory,
+    /proc/1/root, `..` chains, the host path of a file): every call stays inside the sandbox's own tree and
+    the node's state directory gets nothing."""
+    secret = tmp_path / "host-secret"
+    secret.write_text("host secret\n")
+    sandbox_dir = node.home / "sandboxes" / any_runtime.id
+    before = sorted(os.listdir(sandbox_dir))
+    agent_dir = sorted(os.listdir(sandbox_dir / "agent")) if (sandbox_dir / "agent").is_dir() else None
+    any_runtime.exec(
+        "mkdir -p /plant && cd /plant && ln -sfn /.shoal/run run && ln -sfn /.shoal agentdir && ln -sfn /proc/1/root p1"
+        f" && ln -sfn ../../../../../../.. up && ln -sfn {tmp_path} hostdir && ln -sfn {secret} hostfile"
+        " && ln -sfn /proc/1/cwd cwd",
+        timeout=30,
+    ).check()
+    for path in ("/plant/hostfile", f"/plant/up{secret}", f"/plant/p1{secret}", f"/../../..{secret}", "/plant/cwd/x"):
+        try:
+            assert any_runtime.files.read(path) != b"host secret\n", path
+        except (OSError, shoal.ShoalError):
+            pass
+    for path in ("/plant/run/evil", "/plant/agentdir/run/evil", "/plant/hostdir/evil", "/plant/p1/tmp/evil",
+                 f"/plant/up{tmp_path}/evil", "/.shoal/run/evil"):  # fmt: skip
+        try:
+            any_runtime.files.write(path, b"planted")
+        except (OSError, shoal.ShoalError):
+            pass
+        try:
+            any_runtime.files.write_tar(path.rsplit("/", 1)[0], _tar_of("evil-tar", b"planted"))
+        except (OSError, shoal.ShoalError):
+            pass
+    assert sorted(os.listdir(tmp_path)) == ["host-secret"] and secret.read_text() == "host secret\n"
+    assert sorted(os.listdir(sandbox_dir)) == before
+    if agent_dir is not None:
+        assert sorted(os.listdir(sandbox_dir / "agent")) == agent_dir
+    for entry in node.home.rglob("evil*"):  # whatever was written is in the sandbox's own writable layer
+        assert entry.is_relative_to(sandbox_dir), entry
+        assert not entry.is_relative_to(sandbox_dir / "agent"), entry
+    assert any_runtime.exec("echo alive").stdout == "alive\n"
+
+
+def _tar_of(name: str, data: bytes) -> bytes:
+    import io
+    import tarfile
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
