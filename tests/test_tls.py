@@ -11,6 +11,7 @@ import json
 import socket
 import ssl
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,3 +148,41 @@ def test_tokens_are_refused_over_plain_tcp_off_loopback(tmp_path: Path) -> None:
             assert c._run(c._async.call("cluster_status"))["nodes"]
     finally:
         lc.stop()
+
+
+def test_expose_over_tls(secure: LocalCluster) -> None:
+    """sb.expose through a TLS gateway answers an https URL; the relay (in front of the HTTP API on the same
+    port) reaches the sandbox's port with the key or a token, and raw TCP (sb.forward) goes over TLS too."""
+    ctx = ssl.create_default_context(cafile=str(secure.ca))
+    token = secure.project_tokens["default"]
+    with (
+        shoal.Client(f"shoals://{secure.gateways[0].address}", token=token, tls_ca=str(secure.ca)) as c,
+        c.create(image="debian", network="none", pool=False, ttl_s=300) as sb,
+    ):
+        sb.files.write("/srv/t.txt", b"tls relay")
+        sb.exec("cd /srv && nohup python3 -m http.server 8000 --bind 127.0.0.1 >/dev/null 2>&1 &")
+        url = sb.expose(8000)
+        assert url.startswith(f"https://{secure.gateways[0].http}/ports/{sb.id}/8000.")
+
+        def fetch(address: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+            try:
+                with urllib.request.urlopen(urllib.request.Request(address, headers=headers or {}), context=ctx,
+                                            timeout=30) as r:  # fmt: skip
+                    return r.status, r.read()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read()
+
+        deadline = time.monotonic() + 120
+        while (answer := fetch(url + "t.txt"))[0] != 200:
+            assert time.monotonic() < deadline, answer
+            time.sleep(0.2)
+        assert answer == (200, b"tls relay")
+        plain = f"https://{secure.gateways[0].http}/ports/{sb.id}/8000/t.txt"
+        assert fetch(plain, {"Authorization": f"Bearer {token}"}) == (200, b"tls relay")
+        assert fetch(plain)[0] == 401
+        with sb.forward(8000) as fwd:
+            host, _, port = fwd.address.rpartition(":")
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            conn.request("GET", "/t.txt")
+            assert conn.getresponse().read() == b"tls relay"
+            conn.close()

@@ -783,7 +783,9 @@ class AsyncSandbox:
         127.0.0.1 or 0.0.0.0 in a sandbox with network="none" is reachable. The URL carries a key for this
         port of this sandbox, derived from a secret of the node; anyone holding it gets in, until the sandbox
         closes. Without the key, a request needs `Authorization: Bearer <token>` of the sandbox's project at
-        `<base>/ports/<id>/<port>/`. Each request opens one connection to the port (`Connection: close`)."""
+        `<base>/ports/<id>/<port>/`. Each request opens one connection to the port (`Connection: close`).
+        A new relayed connection counts as activity for `idle_timeout_s`; a long silent one (an idle
+        websocket) does not: keep such a sandbox alive with `keepalive()` or a TTL instead."""
         result = await self.client.call("expose", {"sandbox_id": self.id, "port": port})
         return reachable_url(result["url"], self.client)
 
