@@ -434,3 +434,64 @@ def _drain(sock: socket.socket, data: bytes) -> None:
     elif headers.get(b"transfer-encoding") == b"chunked":
         while not rest.endswith(b"0\r\n\r\n"):
             rest += sock.recv(65536)
+
+
+# ---------------------------------------------------------------- junk to every operation (issue 19 item 6)
+
+JUNK = [None, -1, 2**63, 1.5, True, b"\xff\xfe", [], {}, [1, [2, [3]]], {"a": {"b": None}}, "", "../" * 40, "x" * 5000]
+REACHES_OUT = {"image_pull", "image_push", "image_build"}  # a junk name could make them look a host up
+
+
+def _frame_call(sock: socket.socket, message: dict) -> object:
+    """One raw request on the node's socket: its final response (a dict), or 'closed'."""
+    import msgspec
+
+    body = msgspec.msgpack.encode(message)
+    sock.sendall(len(body).to_bytes(4, "big") + body)
+    while True:
+        head = sock.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            return "closed"
+        size = int.from_bytes(head, "big")
+        data = sock.recv(size, socket.MSG_WAITALL) if size else b""
+        response = msgspec.msgpack.decode(data)
+        if response.get("event") is None:
+            return response
+
+
+def test_junk_arguments_to_every_operation_get_typed_errors(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every operation in the table, given junk for every argument (wrong types, huge numbers, long and `..`
+    strings, nested containers) and a non-object for its arguments, answers with a typed error or closes that
+    connection: no operation fails unexpectedly (a traceback in the node's log) and the node serves on."""
+    from conftest import NodeProcess, no_leftovers
+
+    from shoal import ops
+
+    home = tmp_path_factory.mktemp("junk") / "home"  # short: agent socket paths under it must fit sun_path
+    node = NodeProcess(home, f"shoal-junk-{os.getpid()}").start()
+    unexpected: list[str] = []
+    try:
+        with node.client() as c:
+            for name, op in sorted(ops.OPS.items()):
+                fields = [f for f in op.request.__struct_fields__]
+                for junk in JUNK:
+                    if name in REACHES_OUT and isinstance(junk, str):
+                        continue
+                    for args in ({f: junk for f in fields}, junk):
+                        with socket.socket(socket.AF_UNIX) as sock:
+                            sock.settimeout(120)
+                            sock.connect(str(node.home / "node.sock"))
+                            answer = _frame_call(sock, {"id": 1, "op": name, "args": args})
+                        if answer == "closed":
+                            assert not isinstance(args, dict), f"{name}({args!r:.80}) closed the connection"
+                        elif answer.get("error"):
+                            assert hasattr(shoal, answer["error"]["type"]) or answer["error"]["type"].endswith("Error")
+            with c.create(image="busybox", pool=False, ttl_s=600) as sb:  # the node serves on
+                assert sb.exec("echo alive").stdout == "alive\n"
+            c.close_all()  # what junk that happened to be valid made (create with {} is a default sandbox)
+        log = (node.home / "node.log").read_text(errors="replace")
+        unexpected = [line for line in log.splitlines() if line.endswith(" failed") and "operation " in line]
+    finally:
+        node.stop()
+    assert not unexpected, unexpected
+    assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)

@@ -42,15 +42,17 @@ class _Source:
         self.path = path
         self.tar: tarfile.TarFile | None = None
         self.members: dict[str, tarfile.TarInfo] = {}
-        if path.is_dir():
-            return
-        if not path.exists():
-            raise ImageError(f"no archive at {path}")
         try:
+            if path.is_dir():
+                return
+            if not path.exists():
+                raise ImageError(f"no archive at {path}")
             self.tar = tarfile.open(path, "r:*")  # noqa: SIM115 - closed by close()
             self.members = {m.name.removeprefix("./"): m for m in self.tar.getmembers() if m.isreg()}
         except (tarfile.TarError, EOFError) as exc:
             raise ImageError(f"{path} is not a readable tar archive ({exc}); export the image again") from exc
+        except OSError as exc:  # a name too long, a directory in the way, no permission: the path is bad
+            raise ImageError(f"cannot read an archive at {str(path)[:200]} ({exc.strerror}); give its path") from exc
 
     def exists(self, name: str) -> bool:
         return (self.path / name).is_file() if self.tar is None else name in self.members
