@@ -136,6 +136,7 @@ class Browser:
 
     def __init__(self, workdir: Path) -> None:
         from selenium import webdriver
+        from selenium.common.exceptions import WebDriverException
         from selenium.webdriver.chrome.service import Service
 
         self.downloads = workdir / "downloads"
@@ -149,7 +150,14 @@ class Browser:
         options.add_experimental_option(
             "prefs", {"download.default_directory": str(self.downloads), "download.prompt_for_download": False}
         )
-        self.driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+        for attempt in range(3):  # a start can time out on a loaded machine: try again before failing
+            try:
+                self.driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+                break
+            except WebDriverException:
+                if attempt == 2:
+                    raise
+                time.sleep(5)
         self.driver.set_page_load_timeout(WAIT_S)
         self.driver.execute_cdp_cmd(
             "Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(self.downloads)}
@@ -282,6 +290,7 @@ def test_a_project_sees_its_sandbox_its_terminal_steps_and_files(
         browser.driver.get(f"{base}/console/#/")
         browser.until(lambda d: "co1" in d.find_element("id", "nodes").text, "the node in the overview")
         assert "container" in browser.text("#kinds")
+        browser.css('[data-metric="sandboxes"] svg polyline')  # a chart, drawn once two polls came back
     # no token, a wrong token: nothing
     assert requests.get(f"{base}/console/api/sandboxes", timeout=60).status_code == 401
     wrong = requests.post(f"{base}/console/api/login", json={"token": "nope"}, timeout=60)
