@@ -134,6 +134,10 @@ def _shell(client: shoal.Client, sb: str) -> str:
     return client.call("shell_open", {"sandbox_id": sb})
 
 
+def _proc(client: shoal.Client, sb: str, cmd: str, pty: dict[str, int] | None = None) -> int:
+    return client.call("proc_start", {"sandbox_id": sb, "cmd": cmd, "pty": pty})["id"]
+
+
 Args = Callable[[shoal.Client, str, dict[str, Any]], dict[str, Any]]
 ARGS: dict[str, Args] = {
     "auth": lambda c, sb, x: {"token": x["token"]},
@@ -161,6 +165,17 @@ ARGS: dict[str, Args] = {
     "expose": lambda c, sb, x: {"sandbox_id": sb, "port": 8000},
     "set_network": lambda c, sb, x: {"sandbox_id": sb, "network": "none"},
     "exec": lambda c, sb, x: {"req": {"sandbox_id": sb, "cmd": "echo ops"}},
+    "proc_start": lambda c, sb, x: {"sandbox_id": sb, "cmd": "echo ops"},
+    "proc_read": lambda c, sb, x: {"sandbox_id": sb, "id": _proc(c, sb, "echo ops"), "follow": True, "timeout": 60},
+    "proc_input": lambda c, sb, x: {"sandbox_id": sb, "id": _proc(c, sb, "cat"), "data": b"ops", "eof": True},
+    "proc_signal": lambda c, sb, x: {"sandbox_id": sb, "id": _proc(c, sb, "sleep 300"), "signal": 9},
+    "proc_resize": lambda c, sb, x: {
+        "sandbox_id": sb,
+        "id": _proc(c, sb, "sleep 300", {"cols": 80, "rows": 24}),
+        "cols": 100,
+        "rows": 30,
+    },
+    "proc_list": lambda c, sb, x: {"sandbox_id": sb},
     "file_write": lambda c, sb, x: {"sandbox_id": sb, "path": "/tmp/ops.txt", "data": b"ops"},
     "file_untar": lambda c, sb, x: {"sandbox_id": sb, "path": "/tmp/ops-untar", "data": _tar()},
     "file_read": lambda c, sb, x: {"sandbox_id": sb, "path": _written(c, sb)},
@@ -280,6 +295,10 @@ def test_every_operation_through_every_way_in(
         assert result["memory_bytes"] > 0 and result["pids"] >= 1 and result["cpu_s"] >= 0, result
     if name == "file_read":
         assert result == b"read me"
+    if name == "proc_read":
+        assert (result["stdout"], result["running"], result["exit_code"]) == (b"ops\n", False, 0), result
+    if name == "proc_resize":  # the terminal's process stays for the sandbox's end; this one is not wanted
+        client.call("proc_signal", {"sandbox_id": sandbox, "id": args["id"], "signal": 9})
     if name == "fn_call":
         assert result["ok"] and json.loads(result["value"]) == 42, result
     if name == "fn_map":

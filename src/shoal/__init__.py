@@ -22,6 +22,8 @@ from shoal.client import (
 from shoal.client.functions import FunctionError, RunCodeResult
 from shoal.client.gui import Screenshot
 from shoal.client.image import ImageBuilder
+from shoal.client.procs import AsyncProcess
+from shoal.client.sync import Process
 from shoal.errors import (
     AuthenticationError,
     CapacityError,
@@ -34,6 +36,7 @@ from shoal.errors import (
     NoScreenError,
     NotFoundError,
     PayloadNotKeptError,
+    ProcessNotFoundError,
     QuotaExceededError,
     SandboxClosedError,
     SandboxLostError,
@@ -53,6 +56,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AuthenticationError",
     "AsyncClient",
+    "AsyncProcess",
     "AsyncSandbox",
     "AsyncShell",
     "CapacityError",
@@ -73,6 +77,7 @@ __all__ = [
     "NotFoundError",
     "OutputChunk",
     "PayloadNotKeptError",
+    "Process",
     "QuotaExceededError",
     "RunCodeResult",
     "ReplayReport",
@@ -82,6 +87,7 @@ __all__ = [
     "SandboxInfo",
     "SandboxLostError",
     "SandboxNotFoundError",
+    "ProcessNotFoundError",
     "ShellLostError",
     "SandboxSpec",
     "Shell",

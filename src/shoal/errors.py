@@ -32,6 +32,11 @@ class ShellLostError(NotFoundError):
     connection); the sandbox itself lives on: open a new shell."""
 
 
+class ProcessNotFoundError(NotFoundError):
+    """No background process with that ID in the sandbox: never started there, or it ended and the agent
+    let it go (sb.processes(background=True) lists the ones it keeps)."""
+
+
 class ImageError(ShoalError):
     """An image could not be built, imported or used."""
 
@@ -101,6 +106,7 @@ ERROR_TYPES: dict[str, type[ShoalError]] = {
         NotFoundError,
         SandboxNotFoundError,
         ShellLostError,
+        ProcessNotFoundError,
         ImageError,
         ImageNotFoundError,
         SandboxClosedError,

@@ -195,6 +195,33 @@ _op("gui", SANDBOX, {"sandbox_id": str, "action": str, "args": (JSON | None, Non
     "A GUI action on a sandbox's screen (screenshot, click, move, drag, scroll, type, key, cursor, "
     "wait_for_change); NoScreenError without one.", step=True)
 
+# ---------------------------------------------------------------- background processes and terminals (node/procs.py)
+_op("proc_start", SANDBOX, {"sandbox_id": str, "cmd": str | list[str], "env": (dict[str, str] | None, None),
+                            "cwd": OPT_STR, "user": OPT_STR, "stdin": (bytes | None, None),
+                            "merge_stderr": (bool, False), "pty": (dict[str, int] | None, None),
+                            "output_cap_bytes": (int | None, None), "seq": (SEQ, None)}, JSON,
+    "Start a command in the background (on a terminal of pty {cols, rows}); it outlives this call and the "
+    "client, dies with the sandbox, keeps the last output_cap_bytes of each stream; its {id, pid, pty}.",
+    step=True)
+_op("proc_read", SANDBOX, {"sandbox_id": str, "id": int, "stdout_offset": (int, 0), "stderr_offset": (int, 0),
+                           "follow": (bool, False), "timeout": (float | None, None),
+                           "max_bytes": (int, 16 << 20), "stream": (bool, False)}, JSON,
+    "A background process's output from the offsets: what there is now, or (follow) until it ends or the "
+    "timeout passes (with stream, as events); the offsets to read on from and whether it runs (exit_code, "
+    "signal).",
+    streams=True, retry=True)
+_op("proc_input", SANDBOX, {"sandbox_id": str, "id": int, "data": (bytes, b""), "eof": (bool, False),
+                            "seq": (SEQ, None)}, JSON,
+    "Write to a background process's stdin (its terminal's input); eof closes it (a terminal gets ^D).",
+    step=True)
+_op("proc_signal", SANDBOX, {"sandbox_id": str, "id": int, "signal": (int, 15), "seq": (SEQ, None)}, JSON,
+    "Send a signal to a background process's group and every process it started.", step=True)
+_op("proc_resize", SANDBOX, {"sandbox_id": str, "id": int, "cols": int, "rows": int}, JSON,
+    "Resize a background process's terminal (it gets SIGWINCH).")
+_op("proc_list", SANDBOX, {"sandbox_id": str}, list[JSON],
+    "The background processes a sandbox keeps (running, or ended and not yet let go), with their offsets.",
+    retry=True)
+
 # ---------------------------------------------------------------- trajectories
 _op("log_steps", TARGET, {"target": str, "since": (int, 0), "limit": (int, 1000), "max_bytes": (int, 16 << 20)},
     JSON, "A page of the trajectory log of a sandbox (ID or trajectory name, live or ended).", retry=True,

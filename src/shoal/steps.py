@@ -40,7 +40,8 @@ def is_bulk(value: Any) -> bool:
     return isinstance(value, dict) and len(value) == 2 and "bulk" in value and "size" in value
 
 
-BULK_ARGS = {"file_write": "data", "file_untar": "data", "exec": "stdin", "shell_run": "stdin"}
+BULK_ARGS = {"file_write": "data", "file_untar": "data", "exec": "stdin", "shell_run": "stdin", "proc_start": "stdin",
+             "proc_input": "data"}  # fmt: skip
 
 
 def loggable_args(op: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -54,7 +55,7 @@ def loggable_args(op: str, args: dict[str, Any]) -> dict[str, Any]:
 
 def describe(op: str, args: dict[str, Any]) -> str:
     """A short human form of a step for errors and `shoal log show`."""
-    if op in ("exec", "shell_run"):
+    if op in ("exec", "shell_run", "proc_start"):
         text = f"{op} {args.get('cmd')!r}"
         extras = {k: args[k] for k in ("env", "cwd", "user", "stdin") if args.get(k)}
         return text + (f" {extras}" if extras else "")
@@ -65,6 +66,12 @@ def describe(op: str, args: dict[str, Any]) -> str:
     if op == "file_untar":
         data = args.get("data") or b""
         return f"file_untar {args.get('path')!r} ({data['size'] if is_bulk(data) else len(data)} bytes of tar)"
+    if op == "proc_input":
+        data = args.get("data") or b""
+        size = data["size"] if is_bulk(data) else len(data)
+        return f"proc_input {args.get('id')} ({size} bytes{', eof' if args.get('eof') else ''})"
+    if op == "proc_signal":
+        return f"proc_signal {args.get('id')} signal {args.get('signal')}"
     if op == "sandbox_snapshot":
         return f"snapshot as image {args.get('name')!r}"
     if "path" in args:

@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from shoal import ops, protocol, settings, tls
-from shoal.client import functions, localfs, ports, tartree
+from shoal.client import functions, localfs, ports, procs, tartree
+
 from shoal.client.gui import AsyncGui
 from shoal.client.image import ImageBuilder, placed
+from shoal.client.procs import AsyncProcess
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.client.transport import Connection
 from shoal.config import Paths, settings_env
@@ -703,12 +705,23 @@ class AsyncSandbox:
         merge_stderr: bool = False,
         on_stdout: Callable[[bytes], Any] | None = None,
         on_stderr: Callable[[bytes], Any] | None = None,
-    ) -> ExecResult:
+        background: bool = False,
+    ) -> Any:
         """Run a command (a shell string, or an argv list run without a shell) and wait for it.
 
         On `timeout` (wall clock) or `idle_timeout` (no output for that long) the whole process tree is
         killed and the result has `timed_out` set with the output printed so far.
+
+        With `background=True` it does not wait: it returns an `AsyncProcess` (client/procs.py) at once, a
+        process that outlives this call and this client (no timeouts: kill it, or it ends with the sandbox);
+        `stdin` is its first input, `output_cap_bytes` how much of each stream the sandbox keeps for readers.
         """
+        if background:
+            if idle_timeout is not None or on_stdout or on_stderr:
+                raise InvalidRequestError("a background process takes no idle_timeout or callbacks: read its "
+                                          "output with proc.stream() or proc.read()")  # fmt: skip
+            options = dict(env=env, cwd=cwd, user=user, stdin=stdin, output_cap_bytes=output_cap_bytes)
+            return await procs.start(self, self._exec_args(cmd, dict(options, merge_stderr=merge_stderr or None)))
         args = self._exec_args(
             cmd,
             dict(
@@ -760,16 +773,46 @@ class AsyncSandbox:
             await self.client.call("keepalive", {"sandbox_id": self.id, "ttl_s": ttl_s}), SandboxInfo
         )
 
-    async def processes(self) -> list[dict[str, Any]]:
+    async def processes(self, *, background: bool = False) -> list[dict[str, Any]]:
         """Processes running in the sandbox other than its agent's, each a dict: pid, ppid, state, command,
-        exec_id (the exec that started it, as in `ExecResult.exec_id`; None once that is unknown) and
-        exec_command. Forking, double-forking and setsid do not take a process away from its exec."""
+        exec_id (the exec that started it, as in `ExecResult.exec_id`, or the background process's ID; None
+        once that is unknown) and exec_command. Forking, double-forking and setsid do not take a process
+        away from its exec.
+
+        With `background=True`: the background processes and terminals the sandbox keeps (running, or ended
+        a short while ago), each a dict: id (for `process(id)`), pid, pty, running, exit_code, signal,
+        stdout_offset and stderr_offset (how much each stream has printed), command."""
+        if background:
+            return await self.client.call("proc_list", {"sandbox_id": self.id})
         return await self.client.call("processes", {"sandbox_id": self.id})
 
     async def usage(self) -> dict[str, Any]:
         """What the sandbox uses now, from its cgroup: {"memory_bytes", "cpu_s", "pids", "state"} (None for
         what this host's cgroups do not show). Asking does not resume a paused sandbox."""
         return await self.client.call("usage", {"sandbox_id": self.id})
+
+    async def process(self, id: int) -> AsyncProcess:
+        """A handle on background process `id` (from `processes(background=True)`, or `proc.id` in another
+        client, even one that has died): reads start at offset 0 (set `stdout_offset`/`stderr_offset` to
+        go on from elsewhere)."""
+        return await procs.AsyncProcess(self, {"id": id, "pid": 0}).refresh()
+
+    async def pty(
+        self,
+        cols: int = 80,
+        rows: int = 24,
+        *,
+        cmd: str | Sequence[str] | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+    ) -> AsyncProcess:
+        """A program on a terminal of `cols` x `rows` (default: a login shell), as a background process:
+        type with `send_stdin`, read the screen's bytes with `stream()`/`read()`, `resize(cols, rows)`.
+        TERM is xterm-256color unless `env` says otherwise."""
+        args = self._exec_args(cmd or procs.DEFAULT_PTY_CMD, dict(env=env, cwd=cwd, user=user))
+        args["pty"] = {"cols": cols, "rows": rows}
+        return await procs.start(self, args)
 
     async def kill_processes(self, exec_id: int | None = None) -> dict[str, int]:
         """SIGKILL the processes one exec left running (`exec_id`), or every process but the agent's (None):

@@ -21,6 +21,7 @@ from shoal.client.aio import (
 from shoal.client.functions import RunCodeResult
 from shoal.client.gui import Gui
 from shoal.client.image import ImageBuilder
+from shoal.client.procs import AsyncProcess
 from shoal.client.results import ExecResult, FileEntry, SandboxInfo
 from shoal.protocol import UNSET, OutputChunk, Unset
 
@@ -282,8 +283,18 @@ class Sandbox:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = DEFAULT_TIMEOUT, **options: Any) -> ExecResult:
-        return self._client._run(self._inner.exec(cmd, timeout=timeout, **options))
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = DEFAULT_TIMEOUT, **options: Any) -> Any:
+        """See AsyncSandbox.exec: an ExecResult, or with background=True a `Process` at once."""
+        result = self._client._run(self._inner.exec(cmd, timeout=timeout, **options))
+        return Process(self._client, result) if isinstance(result, AsyncProcess) else result
+
+    def pty(self, cols: int = 80, rows: int = 24, **options: Any) -> Process:
+        """See AsyncSandbox.pty: a program on a terminal of cols x rows."""
+        return Process(self._client, self._client._run(self._inner.pty(cols, rows, **options)))
+
+    def process(self, id: int) -> Process:
+        """See AsyncSandbox.process: a handle on background process `id`, from any client."""
+        return Process(self._client, self._client._run(self._inner.process(id)))
 
     def exec_stream(
         self, cmd: str | Sequence[str], *, timeout: float | None = DEFAULT_TIMEOUT, **options: Any
@@ -309,8 +320,8 @@ class Sandbox:
         """See `AsyncSandbox.set_network`."""
         return self._client._run(self._inner.set_network(network))
 
-    def processes(self) -> list[dict[str, Any]]:
-        return self._client._run(self._inner.processes())
+    def processes(self, *, background: bool = False) -> list[dict[str, Any]]:
+        return self._client._run(self._inner.processes(background=background))
 
     def kill_processes(self, exec_id: int | None = None) -> dict[str, int]:
         return self._client._run(self._inner.kill_processes(exec_id))
@@ -370,6 +381,55 @@ def _iterate(client: Client, source: AsyncIterator[T]) -> Iterator[T]:
             yield item
     finally:
         future.cancel()
+
+
+class Process:
+    """Blocking handle on a background process or terminal (see shoal.client.procs.AsyncProcess)."""
+
+    def __init__(self, client: Client, inner: AsyncProcess) -> None:
+        self._client = client
+        self._inner = inner
+        self.id = inner.id
+
+    def __repr__(self) -> str:
+        return repr(self._inner).replace("AsyncProcess", "Process", 1)
+
+    def __getattr__(self, name: str) -> Any:  # pid, pty, command, running, exit_code, exit_signal, offsets
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("stdout_offset", "stderr_offset"):
+            setattr(self._inner, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def read(self, **offsets: int) -> tuple[bytes, bytes]:
+        return self._client._run(self._inner.read(**offsets))
+
+    def stream(self, *, timeout: float | None = None) -> Iterator[OutputChunk]:
+        return _iterate(self._client, self._inner.stream(timeout=timeout))
+
+    def wait(self, timeout: float | None = None) -> ExecResult:
+        return self._client._run(self._inner.wait(timeout))
+
+    def send_stdin(self, data: bytes | str, *, eof: bool = False) -> None:
+        self._client._run(self._inner.send_stdin(data, eof=eof))
+
+    def close_stdin(self) -> None:
+        self._client._run(self._inner.close_stdin())
+
+    def signal(self, signal: int = 15) -> None:
+        self._client._run(self._inner.signal(signal))
+
+    def kill(self) -> None:
+        self._client._run(self._inner.kill())
+
+    def resize(self, cols: int, rows: int) -> None:
+        self._client._run(self._inner.resize(cols, rows))
+
+    def refresh(self) -> Process:
+        self._client._run(self._inner.refresh())
+        return self
 
 
 class _Failure:

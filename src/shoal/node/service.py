@@ -29,6 +29,7 @@ from shoal.errors import (
     CapacityError,
     InvalidRequestError,
     NodeError,
+    ProcessNotFoundError,
     SandboxClosedError,
     SandboxLostError,
     SandboxNotFoundError,
@@ -39,7 +40,7 @@ from shoal.errors import (
 from shoal.guest import AgentClient, AgentError
 from shoal.images import Image, ImageStore
 from shoal.images.builtin import register_builtins
-from shoal.node import gui, network, recovery
+from shoal.node import gui, network, procs, recovery
 from shoal.node.functions import FunctionService
 from shoal.node.images import NodeImages
 from shoal.node.lifecycle import ON_TIMEOUT, Lifecycle
@@ -949,6 +950,109 @@ class NodeService:
             }
             for e in entries
         ]
+
+    # ---------------------------------------------------------------- background processes (node/procs.py)
+
+    async def _proc(self, sandbox: Sandbox, id: int | None, call: Awaitable[Any]) -> Any:
+        """An agent call about a background process, its failures as typed errors."""
+        try:
+            return await call
+        except AgentError as exc:
+            raise procs.agent_error(exc, sandbox.id, id) from None
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            if not await self._agent_alive(sandbox):
+                raise await self._lost(sandbox, exc) from exc
+            raise ProcessNotFoundError(  # its keeper was killed from inside the sandbox (`kill -9 -1`)
+                f"background process {id} of sandbox {sandbox.id} went away while answering: {exc}"
+            ) from None
+
+    async def proc_start(
+        self,
+        sandbox_id: str,
+        cmd: str | list[str],
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        stdin: bytes | None = None,
+        merge_stderr: bool = False,
+        pty: dict[str, int] | None = None,
+        output_cap_bytes: int | None = None,
+        seq: int | None = None,
+    ) -> dict[str, Any]:
+        sandbox = self._get(sandbox_id)
+        size = procs.terminal_size(pty)
+        args = {"cmd": cmd, "env": env or {}, "cwd": cwd, "user": user, "stdin": stdin, "merge_stderr": merge_stderr,
+                "pty": pty, "output_cap_bytes": output_cap_bytes}  # fmt: skip
+
+        async def run() -> dict[str, Any]:
+            argv = list(cmd) if isinstance(cmd, list) else [*sandbox.shell, "-c", cmd]
+            if not argv:
+                raise InvalidRequestError("empty command")
+            uid, gid = (await self._resolve_user(sandbox, user)) if user else (sandbox.uid, sandbox.gid)
+            cap = output_cap_bytes or sandbox.spec.output_cap_bytes or self.settings.output_cap_bytes
+            started = await self._proc(sandbox, None, procs.start(
+                sandbox.agent, argv, env={**sandbox.env, **(env or {})}, cwd=cwd or sandbox.workdir, uid=uid,
+                gid=gid, ring_bytes=min(cap, 1 << 30), merge_stderr=merge_stderr, size=size, stdin=stdin,
+            ))  # fmt: skip
+            command = cmd if isinstance(cmd, str) else " ".join(cmd)
+            sandbox.remember_exec(started["id"], command)
+            return {**started, "command": command[:200]}
+
+        return await self._step(sandbox, "proc_start", args, seq, run)
+
+    async def proc_read(
+        self,
+        sandbox_id: str,
+        id: int,
+        stdout_offset: int = 0,
+        stderr_offset: int = 0,
+        follow: bool = False,
+        timeout: float | None = None,
+        max_bytes: int = procs.READ_MAX_BYTES,
+        stream: bool = False,
+        emit: Emit | None = None,
+    ) -> dict[str, Any]:
+        sandbox = await self._awake(self._get(sandbox_id))
+        read = procs.read(sandbox.agent, id, (stdout_offset, stderr_offset), follow=follow, timeout=timeout,
+                          max_bytes=max(1, min(max_bytes, procs.READ_MAX_BYTES)),
+                          emit=emit if stream else None)  # fmt: skip
+        sandbox.busy += follow  # a follower waiting on a quiet process does not make the sandbox idle
+        try:
+            return await self._proc(sandbox, id, read)
+        finally:
+            sandbox.busy -= follow
+            sandbox.last_active = time.time()
+
+    async def _proc_control(self, op: str, sandbox_id: str, id: int, args: dict, frames: bytes, seq: int | None) -> Any:
+        sandbox = self._get(sandbox_id)
+
+        async def run() -> dict[str, Any]:
+            return await self._proc(sandbox, id, procs.control(sandbox.agent, id, frames))
+
+        if seq is None and op == "proc_resize":  # not a step: what a terminal shows is not the trajectory's
+            await self._awake(sandbox)
+            return await run()
+        return await self._step(sandbox, op, {"id": id, **args}, seq, run)
+
+    async def proc_input(
+        self, sandbox_id: str, id: int, data: bytes = b"", eof: bool = False, seq: int | None = None
+    ) -> dict[str, Any]:
+        frames = procs.control_frames(stdin=data, eof=eof)
+        return await self._proc_control("proc_input", sandbox_id, id, {"data": data, "eof": eof}, frames, seq)
+
+    async def proc_signal(self, sandbox_id: str, id: int, signal: int = 15, seq: int | None = None) -> dict[str, Any]:
+        if not 0 < signal < 65:
+            raise InvalidRequestError(f"signal {signal} is not a signal number (1-64)")
+        frames = procs.control_frames(signal=signal)
+        return await self._proc_control("proc_signal", sandbox_id, id, {"signal": signal}, frames, seq)
+
+    async def proc_resize(self, sandbox_id: str, id: int, cols: int, rows: int) -> dict[str, Any]:
+        size = procs.terminal_size({"cols": cols, "rows": rows})
+        return await self._proc_control("proc_resize", sandbox_id, id, {}, procs.control_frames(size=size), None)
+
+    async def proc_list(self, sandbox_id: str) -> list[dict[str, Any]]:
+        sandbox = await self._awake(self._get(sandbox_id))
+        return await self._proc(sandbox, None, procs.listing(sandbox.agent, sandbox.execs))
 
     async def kill_processes(self, sandbox_id: str, exec_id: int | None = None) -> dict[str, int]:
         """SIGKILL every process of exec `exec_id` (of every exec if None); the agent stays. Needs no fork in
