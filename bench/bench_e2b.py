@@ -5,7 +5,8 @@ native SDK, against the same node in one run.
 
 Rows (sequential, one at a time, on one node over TCP with a token, the E2B server in its own process):
 - `commands.run("true")`: the SDK runs `/bin/bash -l -c true` in the sandbox; the native rows run the same
-  argv, and `exec("true")` for reference.
+  argv as an exec and as a background process followed to its end (what the layer starts), and
+  `exec("true")` for reference.
 - the same through the E2B API served inside the node process (SHOAL_E2B): no extra process on the path.
 - create -> run `true` -> kill.
 CPU-ms per op are the client process's and the E2B server's (from /proc), so the layer's own cost shows.
@@ -36,6 +37,13 @@ def pct(values: list[float], q: float) -> float:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def background(sb: shoal.Sandbox) -> None:
+    """What the E2B layer runs for commands.run (docs/PROCESSES.md): a background process, followed to its end."""
+    proc = sb.exec(SDK_ARGV, background=True, stdin=None)
+    for _ in proc.stream():
+        pass
 
 
 def measure(rows: dict[str, object], count: int, server_pid: int) -> dict[str, float]:
@@ -93,6 +101,7 @@ def main() -> None:
                         "native  sb.exec('true')": lambda: native.exec("true"),
                         "native  sb.exec(bash -l -c true)": lambda: native.exec(SDK_ARGV),
                         "native  sb.exec(bash -l -c true, streamed)": lambda: native.exec(SDK_ARGV, on_stdout=print),
+                        "native  background bash -l -c true, streamed": lambda: background(native),
                         "e2b     sbx.commands.run('true')": lambda: sbx.commands.run("true"),
                         "e2b     (served in the node) same": lambda: sbx_in.commands.run("true"),
                     },
@@ -105,6 +114,8 @@ def main() -> None:
                 sbx_in.kill()
             extra = p50["e2b     sbx.commands.run('true')"] - p50["native  sb.exec(bash -l -c true, streamed)"]
             print(f"  -> the E2B layer adds {extra:.2f} ms p50 per command (vs the same streamed exec)")
+            extra = p50["e2b     sbx.commands.run('true')"] - p50["native  background bash -l -c true, streamed"]
+            print(f"  -> {extra:.2f} ms p50 over the same background process natively (what the layer starts)")
             extra = p50["e2b     (served in the node) same"] - p50["native  sb.exec(bash -l -c true, streamed)"]
             print(f"  -> served in the node: {extra:.2f} ms p50 per command")
 

@@ -19,6 +19,7 @@ from e2b import (
     AuthenticationException,
     CommandExitException,
     NotFoundException,
+    PtySize,
     Sandbox,
     SandboxException,
     SandboxNotRunningException,
@@ -145,6 +146,35 @@ def test_stdin(sbx: Sandbox) -> None:
     assert result.stdout == "got:one\ngot:two\ngot:three\neof\n"
     with pytest.raises(SandboxException):  # a command started without stdin=True has none to write to
         sbx.commands.send_stdin(sbx.commands.run("sleep 30", background=True).pid, "x")
+
+
+def test_pty_create_input_resize_connect_kill(sbx: Sandbox) -> None:
+    """sandbox.pty on shoal's PTYs (docs/PROCESSES.md): a login bash on a terminal that follows resizes."""
+    term = sbx.pty.create(PtySize(rows=24, cols=80), timeout=0)
+    sbx.pty.send_stdin(term.pid, b"stty size; echo term=$TERM\n")
+    events, seen = iter(term), b""
+    while b"term=xterm-256color" not in seen:
+        _, _, chunk = next(events)
+        seen += chunk or b""
+    assert b"24 80" in seen
+    sbx.pty.resize(term.pid, PtySize(rows=40, cols=132))
+    sbx.pty.send_stdin(term.pid, b"stty size; exit 0\n")
+    for _, _, chunk in events:
+        seen += chunk or b""
+    assert b"40 132" in seen and term.wait().exit_code == 0
+    # another terminal: a second client connects to it, and a kill ends it
+    other = sbx.pty.create(PtySize(rows=24, cols=80), timeout=0)
+    attached = sbx.pty.connect(other.pid, timeout=0)
+    sbx.pty.send_stdin(other.pid, b"echo from-the-other\n")
+    seen = b""
+    for _, _, chunk in attached:
+        seen += chunk or b""
+        if b"from-the-other\r\n" in seen.replace(b"echo from-the-other", b""):
+            break
+    assert sbx.pty.kill(other.pid) is True
+    with pytest.raises(CommandExitException):
+        other.wait()
+    assert sbx.pty.kill(other.pid) is False  # gone
 
 
 def test_files(sbx: Sandbox) -> None:

@@ -199,9 +199,11 @@ _op("gui", SANDBOX, {"sandbox_id": str, "action": str, "args": (JSON | None, Non
 _op("proc_start", SANDBOX, {"sandbox_id": str, "cmd": str | list[str], "env": (dict[str, str] | None, None),
                             "cwd": OPT_STR, "user": OPT_STR, "stdin": (bytes | None, None),
                             "merge_stderr": (bool, False), "pty": (dict[str, int] | None, None),
-                            "output_cap_bytes": (int | None, None), "seq": (SEQ, None)}, JSON,
-    "Start a command in the background (on a terminal of pty {cols, rows}); it outlives this call and the "
-    "client, dies with the sandbox, keeps the last output_cap_bytes of each stream; its {id, pid, pty}.",
+                            "output_cap_bytes": (int | None, None), "open_stdin": (bool, True),
+                            "seq": (SEQ, None)}, JSON,
+    "Start a command in the background (on a terminal of pty {cols, rows}; stdin a pipe unless open_stdin is "
+    "false); it outlives this call and the client, dies with the sandbox, keeps the last output_cap_bytes of "
+    "each stream; its {id, pid, pty}.",
     step=True)
 _op("proc_read", SANDBOX, {"sandbox_id": str, "id": int, "stdout_offset": (int, 0), "stderr_offset": (int, 0),
                            "follow": (bool, False), "timeout": (float | None, None),

@@ -3,11 +3,13 @@
 The Connect-RPC services are the ones generated into the pinned `e2b` package (`process.Process`,
 `filesystem.Filesystem`), served by `connectrpc`; this module only implements their methods:
 
-- processes: `Start` runs `sb.exec` (bash -l -c, as the SDK sends it) with its output streamed as events. The
-  process belongs to this server, not to the request, so a background command outlives its stream and can
-  be listed, re-attached (`Connect`) and killed (`SendSignal`: the exec is cancelled, which kills its whole
-  process tree in the sandbox). PIDs are this layer's handles, not the sandbox's kernel PIDs. The stream's
-  deadline (the SDK's command `timeout`) is the command's timeout, so a timed-out command is killed too.
+- processes: `Start` starts a shoal background process (docs/PROCESSES.md; on a PTY when the SDK asks for one,
+  `sandbox.pty.create`) and streams its output as events. The process lives in the sandbox, not in this
+  server nor in the request, so a command outlives its stream, the SDK client and this server, and is
+  listed, re-attached (`Connect`, output from then on), written to (`SendInput`, `StreamInput`,
+  `CloseStdin`), resized (`Update`) and signalled (`SendSignal`). An E2B PID is the process's shoal ID (its
+  keeper's pid in the sandbox; the kernel pid of the command is shoal's `pid`). The stream's deadline (the
+  SDK's command `timeout`) is the command's timeout: a started command is killed at it.
 - filesystem: stat, list, mkdir, move, remove through shoal's file operations; watching polls the tree.
 
 The sandbox is named by the `E2b-Sandbox-Id` header and the caller by `X-Access-Token` (see backend.py).
@@ -17,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import itertools
+import contextlib
 import os
 import posixpath
+import signal
 import stat as stat_module
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from connectrpc.code import Code
@@ -32,7 +35,9 @@ from e2b.envd.process import process_pb
 from protobuf import Oneof
 from protobuf.wkt.google.protobuf import timestamp_pb
 
+from shoal.client import procs
 from shoal.client.aio import AsyncSandbox
+from shoal.client.procs import AsyncProcess
 from shoal.e2b.backend import Backend
 from shoal.errors import (
     AuthenticationError,
@@ -46,30 +51,8 @@ from shoal.errors import (
 KEEPALIVE_S = 30.0
 WATCH_POLL_S = 0.2
 MAX_WATCHERS = 4096
-TIMED_OUT = "command timed out"
-
-# stdin=True: shoal's exec takes stdin up front, so the command reads a FIFO in the sandbox instead. A keeper
-# process holds a write end of the FIFO (inherited at fork, so it is held before anyone writes) until
-# close_stdin kills it; then the command reads EOF. Each send_stdin is one short exec writing to the FIFO.
-STDIN_WRAPPER = r"""
-f=$1; shift
-mkdir -p "${f%/*}" && rm -f "$f" && mkfifo "$f" || exit 127
-exec 3<>"$f"
-sleep infinity >&3 2>/dev/null 3>&- &
-echo $! > "$f.keeper"
-exec 3>&-
-"$@" < "$f"
-status=$?
-kill "$(cat "$f.keeper")" 2>/dev/null
-rm -f "$f" "$f.keeper"
-exit $status
-"""
-WAIT_FIFO = (
-    'i=0; while [ ! -p "$1" ] || [ ! -s "$1.keeper" ]; do i=$((i+1)); [ $i -gt 1000 ] && exit 3; sleep 0.01; done; '
-)
-STDIN_WRITE = WAIT_FIFO + 'cat > "$1"'
-STDIN_CLOSE = WAIT_FIFO + 'kill "$(cat "$1.keeper")"'
-_pids = itertools.count(1000)
+MAX_KNOWN = 65536  # processes whose SDK config (command, tag) this server remembers for List
+SIGNAL_NAMES = {signal.SIGKILL: "killed", signal.SIGTERM: "terminated", signal.SIGINT: "interrupt"}
 
 
 def connect_error(exc: BaseException) -> ConnectError:
@@ -109,15 +92,6 @@ def username(headers: Any) -> str | None:
     return None if name in ("", "user") else name
 
 
-def _stdin_bytes(value: process_pb.ProcessInput | None) -> bytes:
-    match value.input if value is not None else None:
-        case Oneof(field="stdin", value=data):
-            return data
-        case Oneof(field="pty", value=_):
-            raise ConnectError(Code.UNIMPLEMENTED, "PTY sessions are not supported by shoal's E2B layer")
-    return b""
-
-
 def _event(kind: str, value: Any) -> process_pb.ProcessEvent:
     return process_pb.ProcessEvent(event=Oneof(kind, value))
 
@@ -131,145 +105,119 @@ def _end(exit_code: int, status: str, *, exited: bool = True, error: str | None 
     return _event("end", end)
 
 
+def _input(value: process_pb.ProcessInput | None) -> tuple[str, bytes]:
+    match value.input if value is not None else None:
+        case Oneof(field="stdin", value=data):
+            return "stdin", data
+        case Oneof(field="pty", value=data):
+            return "pty", data
+    return "stdin", b""
+
+
+def _size(pty: process_pb.PTY | None) -> dict[str, int] | None:
+    if pty is None or pty.size is None:
+        return None
+    return {"cols": pty.size.cols, "rows": pty.size.rows}
+
+
 @dataclass
 class Proc:
-    pid: int
-    sandbox_id: str
+    """What this server knows of a process beyond shoal's own record: how the SDK started it."""
+
     config: process_pb.ProcessConfig
     tag: str | None
-    subscribers: set[asyncio.Queue] = field(default_factory=set)
-    task: asyncio.Task | None = None
-    ended: process_pb.ProcessEvent | None = None
-    fifo: str | None = None  # the stdin FIFO in the sandbox when started with stdin=True
-    sandbox: AsyncSandbox | None = None
-
-    def publish(self, event: process_pb.ProcessEvent) -> None:
-        for queue in self.subscribers:
-            queue.put_nowait(event)
-
-    def finish(self, event: process_pb.ProcessEvent) -> None:
-        if self.ended is None:
-            self.ended = event
-            self.publish(event)
+    stdin: bool
+    pty: bool
 
 
 class Processes:
-    """Commands started through envd, by sandbox and PID; each runs as a task of this server."""
+    """The E2B view of shoal's background processes (docs/PROCESSES.md): an E2B PID is the process's shoal ID,
+    so a process outlives its stream, the SDK client and this server, and any of them finds it again."""
 
     def __init__(self) -> None:
-        self.procs: dict[int, Proc] = {}
+        self.known: dict[tuple[str, int], Proc] = {}
 
-    def of(self, sandbox_id: str) -> list[Proc]:
-        return [p for p in self.procs.values() if p.sandbox_id == sandbox_id and p.ended is None]
+    def remember(self, sandbox_id: str, pid: int, proc: Proc) -> None:
+        self.known[(sandbox_id, pid)] = proc
+        while len(self.known) > MAX_KNOWN:
+            del self.known[next(iter(self.known))]
 
-    def find(self, sandbox_id: str, selector: process_pb.ProcessSelector | None) -> Proc:
+    async def running(self, sandbox: AsyncSandbox) -> list[dict[str, Any]]:
+        try:
+            return [p for p in await sandbox.processes(background=True) if p["running"]]
+        except ShoalError as exc:
+            raise connect_error(exc) from None
+
+    async def find(self, sandbox: AsyncSandbox, selector: process_pb.ProcessSelector | None) -> dict[str, Any]:
+        running = await self.running(sandbox)
         match selector.selector if selector is not None else None:
             case Oneof(field="pid", value=pid):
-                proc = self.procs.get(pid)
-                if proc is not None and proc.sandbox_id == sandbox_id and proc.ended is None:
-                    return proc
+                for entry in running:
+                    if entry["id"] == pid:
+                        return entry
                 raise ConnectError(Code.NOT_FOUND, f"process with pid {pid} not found")
             case Oneof(field="tag", value=tag):
-                for proc in self.of(sandbox_id):
-                    if proc.tag == tag:
-                        return proc
+                for entry in running:
+                    known = self.known.get((sandbox.id, entry["id"]))
+                    if known is not None and known.tag == tag:
+                        return entry
                 raise ConnectError(Code.NOT_FOUND, f"process with tag {tag!r} not found")
         raise ConnectError(Code.INVALID_ARGUMENT, "no process selector")
 
-    def start(
-        self,
-        sandbox: AsyncSandbox,
-        config: process_pb.ProcessConfig,
-        tag: str | None,
-        user: str | None,
-        timeout: Any,
-        stdin: bool = False,
-    ) -> tuple[Proc, asyncio.Queue]:
-        proc = Proc(next(_pids), sandbox.id, config, tag, sandbox=sandbox)
-        queue: asyncio.Queue = asyncio.Queue()
-        proc.subscribers.add(queue)
-        self.procs[proc.pid] = proc
-        argv = [config.cmd, *config.args]
-        if stdin:
-            proc.fifo = f"/tmp/.shoal-e2b/stdin-{os.urandom(8).hex()}"
-            argv = ["/bin/bash", "-c", STDIN_WRAPPER, "shoal-e2b-stdin", proc.fifo, *argv]
+    def info(self, sandbox_id: str, entry: dict[str, Any]) -> process_pb.ProcessInfo:
+        known = self.known.get((sandbox_id, entry["id"]))
+        config = known.config if known else process_pb.ProcessConfig(cmd=entry.get("command") or "")
+        return process_pb.ProcessInfo(config=config, pid=entry["id"], tag=known.tag if known else None)
 
-        async def run() -> None:
-            try:
-                result = await sandbox.exec(
-                    argv,
-                    timeout=timeout,
-                    env=dict(config.envs) or None,
-                    cwd=config.cwd if config.has_field("cwd") and config.cwd else None,
-                    user=user,
-                    on_stdout=lambda chunk: proc.publish(_data("stdout", chunk)),
-                    on_stderr=lambda chunk: proc.publish(_data("stderr", chunk)),
-                )
-                if result.timed_out:
-                    proc.finish(_end(-1, "signal: killed", exited=False, error=TIMED_OUT))
-                elif result.signal:
-                    proc.finish(_end(-1, f"signal: {result.signal}", exited=False))
-                else:
-                    proc.finish(_end(result.exit_code, f"exit status {result.exit_code}"))
-            except asyncio.CancelledError:
-                proc.finish(_end(-1, "signal: killed", exited=False))
-            except Exception as exc:  # the stream must end with an end event whatever happened
-                proc.finish(_end(-1, "error", exited=False, error=f"{type(exc).__name__}: {exc}"))
-            finally:
-                self.procs.pop(proc.pid, None)
-
-        proc.task = asyncio.ensure_future(run())
-        return proc, queue
-
-    async def write_stdin(self, proc: Proc, data: bytes, *, close: bool = False) -> None:
-        if proc.fifo is None or proc.sandbox is None:
-            raise ConnectError(Code.FAILED_PRECONDITION, f"process {proc.pid} was not started with stdin=True")
-        script = STDIN_CLOSE if close else STDIN_WRITE
-        try:
-            # stdin=b"" is not sent: an empty stdin to a command that exits at once can be reported by the node
-            # as "the command's handler was killed" (seen ~1 in 3 times)
-            argv = ["/bin/sh", "-c", script, "sh", proc.fifo]
-            result = await proc.sandbox.exec(argv, stdin=data or None, timeout=60)
-        except ShoalError as exc:
-            raise connect_error(exc) from None
-        if result.exit_code != 0:
-            detail = result.stderr.strip()[-300:] or f"exit {result.exit_code}"
-            raise ConnectError(Code.FAILED_PRECONDITION, f"stdin of process {proc.pid} is closed ({detail})")
-
-    async def kill(self, proc: Proc) -> None:
-        if proc.task is not None and not proc.task.done():
-            proc.task.cancel()
-            await asyncio.wait([proc.task])
-
-    async def kill_sandbox(self, sandbox_id: str) -> None:
-        for proc in self.of(sandbox_id):
-            await self.kill(proc)
+    def forget(self, sandbox_id: str) -> None:
+        for key in [k for k in self.known if k[0] == sandbox_id]:
+            del self.known[key]
 
     async def close(self) -> None:
-        for proc in list(self.procs.values()):
-            await self.kill(proc)
+        self.known.clear()  # the processes live in their sandboxes, not here
 
 
-async def _stream(proc: Proc, queue: asyncio.Queue, wrap: Any) -> AsyncIterator[Any]:
-    """Yield `proc`'s events (wrapped in the RPC's response message) until its end event."""
+async def _stream(proc: AsyncProcess, wrap: Any, timeout: float | None, kill_at_deadline: bool) -> AsyncIterator[Any]:
+    """Yield `proc`'s output as events (wrapped in the RPC's response message), keepalives while it is quiet,
+    and its end event; at the deadline (the SDK's command timeout) a started command is killed."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    done = object()
+
+    async def pump() -> None:
+        try:
+            async for chunk in proc.stream(timeout=timeout):
+                queue.put_nowait(chunk)
+        except BaseException as exc:  # handed to the stream below
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(done)
+
+    task = asyncio.ensure_future(pump())
     try:
         while True:
-            if queue.empty():
-                try:
-                    async with asyncio.timeout(KEEPALIVE_S):
-                        event = await queue.get()
-                except TimeoutError:
-                    event = _event("keepalive", process_pb.ProcessEvent.KeepAlive())
-            else:
-                event = queue.get_nowait()
-            if event.event is not None and event.event.field == "end":
-                if event.event.value.error == TIMED_OUT:  # the stream's deadline (the command timeout) passed
-                    raise ConnectError(Code.DEADLINE_EXCEEDED, "the command ran out of time and was killed")
-                yield wrap(event=event)
-                return
-            yield wrap(event=event)
+            try:
+                async with asyncio.timeout(KEEPALIVE_S):
+                    item = await queue.get()
+            except TimeoutError:
+                yield wrap(event=_event("keepalive", process_pb.ProcessEvent.KeepAlive()))
+                continue
+            if item is done:
+                break
+            if isinstance(item, BaseException):
+                raise connect_error(item) if not isinstance(item, asyncio.CancelledError) else item
+            yield wrap(event=_data("pty" if proc.pty else item.stream, item.data))
     finally:
-        proc.subscribers.discard(queue)
+        task.cancel()
+    if proc.running:  # the deadline passed
+        if kill_at_deadline:
+            with contextlib.suppress(ShoalError):
+                await proc.kill()
+            raise ConnectError(Code.DEADLINE_EXCEEDED, "the command ran out of time and was killed")
+        raise ConnectError(Code.DEADLINE_EXCEEDED, "the connection to the command reached its timeout")
+    if proc.exit_signal:
+        yield wrap(event=_end(-1, f"signal: {SIGNAL_NAMES.get(proc.exit_signal, proc.exit_signal)}", exited=False))
+    else:
+        yield wrap(event=_end(proc.exit_code or 0, f"exit status {proc.exit_code or 0}"))
 
 
 class ProcessService:
@@ -288,65 +236,101 @@ class ProcessService:
 
     async def list(self, request: process_pb.ListRequest, ctx: Any) -> process_pb.ListResponse:
         sandbox = await self._sandbox(ctx)
-        infos = [process_pb.ProcessInfo(config=p.config, pid=p.pid, tag=p.tag) for p in self.processes.of(sandbox.id)]
-        return process_pb.ListResponse(processes=infos)
+        running = await self.processes.running(sandbox)
+        return process_pb.ListResponse(processes=[self.processes.info(sandbox.id, e) for e in running])
 
     async def start(self, request: process_pb.StartRequest, ctx: Any) -> AsyncIterator[process_pb.StartResponse]:
         sandbox = await self._sandbox(ctx)
-        if request.pty is not None:
-            raise ConnectError(Code.UNIMPLEMENTED, "PTY sessions are not supported by shoal's E2B layer (docs/E2B.md)")
         config = request.process or process_pb.ProcessConfig()
         timeout_ms = ctx.timeout_ms
-        timeout = timeout_ms / 1000 if timeout_ms else None
         tag = request.tag if request.has_field("tag") else None
-        user = username(ctx.request_headers)
-        proc, queue = self.processes.start(sandbox, config, tag, user, timeout, stdin=bool(request.stdin))
-        yield process_pb.StartResponse(event=_event("start", process_pb.ProcessEvent.StartEvent(pid=proc.pid)))
-        async for item in _stream(proc, queue, process_pb.StartResponse):
+        size = _size(request.pty)
+        args = {
+            "sandbox_id": sandbox.id,
+            "cmd": [config.cmd, *config.args],
+            "env": dict(config.envs) or None,
+            "cwd": config.cwd if config.has_field("cwd") and config.cwd else None,
+            "user": username(ctx.request_headers),
+            "pty": size,
+            "open_stdin": bool(request.stdin) or size is not None,
+        }
+        try:
+            proc = await procs.start(sandbox, {k: v for k, v in args.items() if v is not None})
+        except ShoalError as exc:
+            raise connect_error(exc) from None
+        self.processes.remember(sandbox.id, proc.id, Proc(config, tag, bool(request.stdin), size is not None))
+        yield process_pb.StartResponse(event=_event("start", process_pb.ProcessEvent.StartEvent(pid=proc.id)))
+        timeout = timeout_ms / 1000 if timeout_ms else None
+        async for item in _stream(proc, process_pb.StartResponse, timeout, kill_at_deadline=True):
             yield item
 
     async def connect(self, request: process_pb.ConnectRequest, ctx: Any) -> AsyncIterator[process_pb.ConnectResponse]:
         sandbox = await self._sandbox(ctx)
-        proc = self.processes.find(sandbox.id, request.process)
-        queue: asyncio.Queue = asyncio.Queue()
-        proc.subscribers.add(queue)
-        yield process_pb.ConnectResponse(event=_event("start", process_pb.ProcessEvent.StartEvent(pid=proc.pid)))
-        async for item in _stream(proc, queue, process_pb.ConnectResponse):
+        entry = await self.processes.find(sandbox, request.process)
+        proc = AsyncProcess(sandbox, entry)
+        proc.stdout_offset, proc.stderr_offset = entry["stdout_offset"], entry["stderr_offset"]  # from now on
+        yield process_pb.ConnectResponse(event=_event("start", process_pb.ProcessEvent.StartEvent(pid=proc.id)))
+        timeout = ctx.timeout_ms / 1000 if ctx.timeout_ms else None
+        async for item in _stream(proc, process_pb.ConnectResponse, timeout, kill_at_deadline=False):
             yield item
 
+    async def _write(self, sandbox: AsyncSandbox, entry: dict[str, Any], kind: str, data: bytes, eof: bool) -> None:
+        known = self.processes.known.get((sandbox.id, entry["id"]))
+        if kind == "stdin" and known is not None and not known.stdin and not known.pty:
+            raise ConnectError(Code.FAILED_PRECONDITION, f"process {entry['id']} was not started with stdin=True")
+        try:
+            await AsyncProcess(sandbox, entry).send_stdin(data, eof=eof)
+        except ShoalError as exc:
+            raise connect_error(exc) from None
+
     async def update(self, request: process_pb.UpdateRequest, ctx: Any) -> process_pb.UpdateResponse:
-        raise ConnectError(Code.UNIMPLEMENTED, "PTY resize is not supported by shoal's E2B layer")
+        sandbox = await self._sandbox(ctx)
+        entry = await self.processes.find(sandbox, request.process)
+        size = _size(request.pty)
+        if size is None:
+            raise ConnectError(Code.INVALID_ARGUMENT, "no PTY size to change to")
+        if not entry["pty"]:
+            raise ConnectError(Code.FAILED_PRECONDITION, f"process {entry['id']} has no PTY")
+        try:
+            await AsyncProcess(sandbox, entry).resize(size["cols"], size["rows"])
+        except ShoalError as exc:
+            raise connect_error(exc) from None
+        return process_pb.UpdateResponse()
 
     async def stream_input(self, request: Any, ctx: Any) -> process_pb.StreamInputResponse:
         """Client-streamed input: a start event naming the process, then data events, in order."""
         sandbox = await self._sandbox(ctx)
-        proc: Proc | None = None
+        entry: dict[str, Any] | None = None
         async for message in request:
             match message.event:
                 case Oneof(field="start", value=start):
-                    proc = self.processes.find(sandbox.id, start.process)
+                    entry = await self.processes.find(sandbox, start.process)
                 case Oneof(field="data", value=data):
-                    if proc is None:
+                    if entry is None:
                         raise ConnectError(Code.INVALID_ARGUMENT, "input before the start event")
-                    await self.processes.write_stdin(proc, _stdin_bytes(data.input))
+                    await self._write(sandbox, entry, *_input(data.input), eof=False)
         return process_pb.StreamInputResponse()
 
     async def send_input(self, request: process_pb.SendInputRequest, ctx: Any) -> process_pb.SendInputResponse:
         sandbox = await self._sandbox(ctx)
-        proc = self.processes.find(sandbox.id, request.process)
-        await self.processes.write_stdin(proc, _stdin_bytes(request.input))
+        entry = await self.processes.find(sandbox, request.process)
+        await self._write(sandbox, entry, *_input(request.input), eof=False)
         return process_pb.SendInputResponse()
 
     async def close_stdin(self, request: process_pb.CloseStdinRequest, ctx: Any) -> process_pb.CloseStdinResponse:
         sandbox = await self._sandbox(ctx)
-        proc = self.processes.find(sandbox.id, request.process)
-        await self.processes.write_stdin(proc, b"", close=True)
+        entry = await self.processes.find(sandbox, request.process)
+        await self._write(sandbox, entry, "stdin", b"", eof=True)
         return process_pb.CloseStdinResponse()
 
     async def send_signal(self, request: process_pb.SendSignalRequest, ctx: Any) -> process_pb.SendSignalResponse:
         sandbox = await self._sandbox(ctx)
-        proc = self.processes.find(sandbox.id, request.process)
-        await self.processes.kill(proc)  # SIGTERM and SIGKILL both end the whole process tree
+        entry = await self.processes.find(sandbox, request.process)
+        number = int(request.signal.value) if request.signal else 0
+        try:
+            await AsyncProcess(sandbox, entry).signal(number or signal.SIGKILL)
+        except ShoalError as exc:
+            raise connect_error(exc) from None
         return process_pb.SendSignalResponse()
 
 

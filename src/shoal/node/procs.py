@@ -73,14 +73,16 @@ async def start(
     merge_stderr: bool,
     size: tuple[int, int] | None,
     stdin: bytes | None,
+    open_stdin: bool = True,
 ) -> dict[str, Any]:
     if size is not None:
         env = {"TERM": DEFAULT_TERM, **env}
     pid, id = await agent.background(
-        argv, env=env, cwd=cwd, uid=uid, gid=gid, ring_bytes=ring_bytes, merge_stderr=merge_stderr, size=size
-    )
+        argv, env=env, cwd=cwd, uid=uid, gid=gid, ring_bytes=ring_bytes, merge_stderr=merge_stderr, size=size,
+        stdin_pipe=open_stdin or bool(stdin),
+    )  # fmt: skip
     if stdin:
-        await agent.control(id, control_frames(stdin=stdin))
+        await agent.control(id, control_frames(stdin=stdin, eof=not open_stdin))
     return {"id": id, "pid": pid, "pty": size is not None}
 
 

@@ -36,6 +36,8 @@ class ReplayHost(Protocol):
 
     async def shell_run(self, shell_id: str, **args: Any) -> Any: ...
 
+    async def proc_start(self, sandbox_id: str, **args: Any) -> Any: ...
+
     async def kill(self, sandbox_id: str, reason: str = ...) -> None: ...
 
 
@@ -55,7 +57,7 @@ async def replay(service: ReplayHost, sandbox_id: str, image: str | None, keep: 
     spec = msgspec.structs.replace(spec, image=image or spec.image, trajectory=None, ttl_s=unset, idle_timeout_s=unset)
     steps = list(service.trajectory.steps(sandbox_id))
     info = await service.create(spec)
-    shells: dict[str, str] = {}
+    shells: dict[str, Any] = {}  # logged shell and background process IDs -> the replay's
     differences: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     try:
@@ -87,7 +89,7 @@ async def replay(service: ReplayHost, sandbox_id: str, image: str | None, keep: 
     }
 
 
-async def _issue(service: ReplayHost, sandbox_id: str, step: Step, shells: dict[str, str]) -> Any:
+async def _issue(service: ReplayHost, sandbox_id: str, step: Step, shells: dict[str, Any]) -> Any:
     args = dict(step.args)
     if step.op == "exec":
         return await service.exec(ExecRequest(sandbox_id=sandbox_id, **args))
@@ -101,6 +103,14 @@ async def _issue(service: ReplayHost, sandbox_id: str, step: Step, shells: dict[
         return await service.shell_run(shell_id, **args)
     if step.op.startswith("file_"):
         return await getattr(service, step.op)(sandbox_id, **args)
+    if step.op == "proc_start":  # the replay's process has its own ID: later steps are mapped to it
+        started = await service.proc_start(sandbox_id, **args)
+        if isinstance(step.result, dict):
+            shells[f"proc:{step.result.get('id')}"] = started["id"]
+        return started
+    if step.op in ("proc_input", "proc_signal"):
+        args["id"] = shells.get(f"proc:{args.get('id')}", -1)
+        return await getattr(service, step.op)(sandbox_id, **args)
     raise InvalidRequestError(f"step {step.seq} ({step.op}) cannot be replayed")
 
 
@@ -109,8 +119,8 @@ def _compare(step: Step, outcome: Any, error: tuple[str, str] | None) -> list[di
     logged_error = (step.error_type, step.error) if step.error_type else None
     if (logged_error is None) != (error is None):
         return [{**base, "field": "error", "logged": logged_error, "replayed": error}]
-    if error is not None or step.op == "shell_open":
-        return []
+    if error is not None or step.op in ("shell_open", "proc_start", "proc_input", "proc_signal"):
+        return []  # a background process's ID, pid and offsets are its own; what it printed is read, not logged
     if step.op in ("exec", "shell_run"):
         return [
             {**base, "field": name, "logged": step.result.get(name), "replayed": outcome.get(name)}

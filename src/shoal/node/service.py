@@ -977,6 +977,7 @@ class NodeService:
         merge_stderr: bool = False,
         pty: dict[str, int] | None = None,
         output_cap_bytes: int | None = None,
+        open_stdin: bool = True,
         seq: int | None = None,
     ) -> dict[str, Any]:
         sandbox = self._get(sandbox_id)
@@ -993,6 +994,7 @@ class NodeService:
             started = await self._proc(sandbox, None, procs.start(
                 sandbox.agent, argv, env={**sandbox.env, **(env or {})}, cwd=cwd or sandbox.workdir, uid=uid,
                 gid=gid, ring_bytes=min(cap, 1 << 30), merge_stderr=merge_stderr, size=size, stdin=stdin,
+                open_stdin=open_stdin,
             ))  # fmt: skip
             command = cmd if isinstance(cmd, str) else " ".join(cmd)
             sandbox.remember_exec(started["id"], command)
