@@ -15,7 +15,6 @@ from typing import Any
 
 from shoal import ops, protocol, settings, tls
 from shoal.client import functions, localfs, ports, procs, tartree
-
 from shoal.client.gui import AsyncGui
 from shoal.client.image import ImageBuilder, placed
 from shoal.client.procs import AsyncProcess
