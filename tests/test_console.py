@@ -232,6 +232,7 @@ def test_a_project_sees_its_sandbox_its_terminal_steps_and_files(
     with alice.create("container", image="debian", pool=False, ttl_s=900, labels={"t": tag}, trajectory=tag) as sb:
         sb.exec("echo step-one")
         sb.exec("sleep 600 >/dev/null 2>&1 &")
+        sb.exec("date +%s%N")  # differs when replayed
         sb.files.write(f"/{tag}.txt", b"downloaded through the console\n")
         browser.login(base, cluster.project_tokens["alice"])
         browser.driver.get(f"{base}/console/#/sandboxes?label=t%3D{tag}")
@@ -265,7 +266,13 @@ def test_a_project_sees_its_sandbox_its_terminal_steps_and_files(
         # the trajectory page and its JSONL export (the terminal's commands are steps too)
         browser.driver.get(f"{base}/console/#/trajectory/{sb.id}")
         browser.until(lambda d: "echo hi" in d.find_element("id", "steps").text, "the terminal's step in the log")
+        browser.click("#replay")  # a fresh sandbox runs the log again; what differs is listed
+        browser.until(lambda d: d.find_element("id", "differences").get_attribute("data-count") != "0", "the replay")
+        assert "date +%s%N" in browser.text("#differences") and "stdout" in browser.text("#differences")
         cookies = {c["name"]: c["value"] for c in browser.driver.get_cookies()}
+        forged = requests.post(f"{base}/console/api/trajectory/replay", params={"target": tag}, cookies=cookies,
+                               headers={"Origin": "http://elsewhere.example"}, timeout=60)  # fmt: skip
+        assert forged.status_code == 401 and "own pages" in forged.json()["message"]
         url = f"{base}/console/api/trajectory/export"
         export = requests.get(url, params={"target": tag}, cookies=cookies, timeout=60)
         assert export.status_code == 200, export.text

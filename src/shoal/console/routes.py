@@ -76,6 +76,12 @@ def mount(app: web.Application, backend: Backend) -> None:
         netguard.mark_authenticated(request.transport)  # a live session: past the first-request deadline
         return viewer
 
+    def same_origin(request: web.Request) -> None:
+        """What acts (the terminal, a replay) is refused from another site's page (its Origin names it)."""
+        origin = request.headers.get("Origin")
+        if origin is not None and origin.split("://", 1)[-1] != request.host:
+            raise AuthenticationError(f"the console acts only from its own pages, not from {origin}")
+
     def api(handler: Callable[[web.Request, Viewer], Awaitable[Any]]) -> Handler:
         async def wrapped(request: web.Request) -> web.StreamResponse:
             try:
@@ -239,6 +245,15 @@ def mount(app: web.Application, backend: Backend) -> None:
             "next": steps[-1]["seq"] + 1 if len(steps) >= limit else None,
         }
 
+    async def replay(request: web.Request, viewer: Viewer) -> Any:
+        """Re-run the trajectory in a fresh sandbox (removed after) and list each step whose outcome differs."""
+        same_origin(request)
+        report = await call(viewer, "replay", target=request.query.get("target") or "", image=None, keep=False)
+        for row in report["differences"]:
+            for side in ("logged", "replayed"):
+                row[side] = views.shown(row[side])
+        return report
+
     async def export(request: web.Request, viewer: Viewer) -> Any:
         """The whole log as JSONL (one step per line, as `shoal log export` writes it), page by page."""
         target = request.query.get("target") or ""
@@ -266,9 +281,7 @@ def mount(app: web.Application, backend: Backend) -> None:
         answered {"stdout", "stderr", "exit_code"}; the shell closes with the socket."""
         try:
             viewer = viewer_of(request)
-            origin = request.headers.get("Origin")
-            if origin is not None and origin.split("://", 1)[-1] != request.host:
-                raise AuthenticationError(f"a console terminal opens from the console's own page, not {origin}")
+            same_origin(request)
         except Exception as exc:
             return _error(exc)
         ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=1 << 20)
@@ -319,3 +332,4 @@ def mount(app: web.Application, backend: Backend) -> None:
     app.router.add_get(PREFIX + "/api/sandboxes/{id}/shell", shell)
     app.router.add_get(PREFIX + "/api/trajectory", api(trajectory))
     app.router.add_get(PREFIX + "/api/trajectory/export", api(export))
+    app.router.add_post(PREFIX + "/api/trajectory/replay", api(replay))

@@ -184,6 +184,13 @@ def jsonable(value: Any) -> Any:
     return value
 
 
+def shown(value: Any) -> Any:
+    """A logged or replayed value as a table shows it: text cut to OUTPUT_SHOWN, anything else as JSON."""
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    return _text(value if isinstance(value, bytes | bytearray | str) else jsonable(value))
+
+
 def _text(value: Any) -> str:
     if isinstance(value, bytes | bytearray):
         value = bytes(value).decode(errors="replace")
