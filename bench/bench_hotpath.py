@@ -1,6 +1,6 @@
 """The node's hot path (issue 12): CPU per operation and latency beside the raw tools, in one run.
 
-    python bench/bench_hotpath.py [--n 100] [--live 200] [--profile DIR]
+    python bench/bench_hotpath.py [--n 100] [--live 200] [--only exec,claim] [--profile DIR]
 
 Prints, for the container kind on image busybox:
   - node CPU-ms per create+close and per exec `true` (utime+stime of the node's own process, all its threads,
@@ -262,12 +262,16 @@ async def main(args: argparse.Namespace) -> None:
             load = os.getloadavg()[0]
             print(f"shoal hot path — image {IMAGE}, n={n}, node pid {pid}, load average {load:.1f}\n")
             print(f"  {'measure':<46} {'this run':<44} {'target':<22}")
-            await create_close(client, n, pid, prof)
-            await concurrent_cycles(client, 2 * n, pid)
-            await claims(client, min(n, 50))
-            await execs(client, 5 * n, pid, prof)
-            await exec_throughput(client, max(20, n // 2), pid)
-            await flat_rate(client, args.live, max(20, n // 2), pid)
+            sections = {
+                "create": lambda: create_close(client, n, pid, prof),
+                "concurrent": lambda: concurrent_cycles(client, 2 * n, pid),
+                "claim": lambda: claims(client, min(n, 50)),
+                "exec": lambda: execs(client, 5 * n, pid, prof),
+                "throughput": lambda: exec_throughput(client, max(20, n // 2), pid),
+                "live": lambda: flat_rate(client, args.live, max(20, n // 2), pid),
+            }
+            for name in args.only.split(",") if args.only else sections:
+                await sections[name]()
             print(f"\n  load average at the end {os.getloadavg()[0]:.1f}")
     finally:
         node.stop()
@@ -277,5 +281,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=100, help="iterations per row")
     parser.add_argument("--live", type=int, default=200, help="sandboxes alive for the flat-rate row")
+    parser.add_argument("--only", help="comma-separated sections: create,concurrent,claim,exec,throughput,live")
     parser.add_argument("--profile", metavar="DIR", help="record py-spy flame graphs of the node into DIR")
     asyncio.run(main(parser.parse_args()))

@@ -63,7 +63,8 @@ CREATE TABLE IF NOT EXISTS steps (
 """
 
 log = logging.getLogger("shoal.trajectory")
-CHECKPOINT_BYTES = 4 << 20  # a WAL past this is copied into the database by the syncer thread
+JOURNAL_LIMIT = 8 << 20
+CHECKPOINT_WRITES = 500  # after this many writes the syncer copies the WAL into the database (≈1000 pages)
 
 # Tasks whose client connection went away: a logged step they run keeps going and is logged (see service).
 detached_tasks: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
@@ -133,11 +134,13 @@ class TrajectoryLog:
         self._db = self._connect()
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA wal_autocheckpoint=0")
+        self._db.execute(f"PRAGMA journal_size_limit={JOURNAL_LIMIT}")  # a restarted WAL is cut back to this
         self._wal = f"{path}-wal"
         self._sync_queue: queue.SimpleQueue[tuple[int, asyncio.AbstractEventLoop] | None] = queue.SimpleQueue()
         self._written = 0  # writes committed to the WAL so far
         self._synced = 0  # of them, how many an fsync has covered
         self._sync_requested = 0
+        self._flush_scheduled = False
         self._waiters: list[tuple[int, asyncio.Future]] = []
         self._sync_error: BaseException | None = None
         self._syncer = threading.Thread(target=self._sync_forever, name="shoal-trajectory-sync", daemon=True)
@@ -193,13 +196,20 @@ class TrajectoryLog:
             done.set_result(None)
             return done
         self._waiters.append((upto, done))
-        if self._sync_requested < upto:  # the syncer takes everything written by the time it starts
-            self._sync_requested = upto
-            self._sync_queue.put((upto, loop))
+        if not self._flush_scheduled:  # after the tasks ready now have written too: one fsync for them all
+            self._flush_scheduled = True
+            loop.call_soon(self._request_sync, loop)
         return done
+
+    def _request_sync(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._flush_scheduled = False
+        if self._sync_requested < self._written:  # the syncer takes everything written by the time it starts
+            self._sync_requested = self._written
+            self._sync_queue.put((self._written, loop))
 
     def _sync_forever(self) -> None:
         checkpointer = self._connect()
+        checkpointed = 0
         while True:
             item = self._sync_queue.get()
             if item is None:
@@ -218,13 +228,13 @@ class TrajectoryLog:
             try:
                 fd = os.open(self._wal, os.O_RDONLY | os.O_CLOEXEC)
                 try:
-                    os.fsync(fd)
-                    size = os.fstat(fd).st_size
+                    os.fdatasync(fd)  # as SQLite syncs: the data and the size, not the mtime
                 finally:
                     os.close(fd)
                 self.commits += 1
-                if size > CHECKPOINT_BYTES:  # copy the WAL into the database (synced) so the WAL restarts
-                    checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                if upto - checkpointed >= CHECKPOINT_WRITES:  # copy the WAL into the database (synced) so the
+                    checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")  # WAL restarts from its start
+                    checkpointed = upto
                 if self.reserve_bytes > 0 and time.monotonic() - self._reserve_checked > 10:
                     self._reserve_checked = time.monotonic()
                     self._ensure_reserve()
