@@ -121,12 +121,11 @@ def test_pty_runs_top_and_stty_sees_resizes(client: shoal.Client) -> None:
         term.resize(132, 40)
         term.send_stdin("stty size\n")
         assert b"40 132" in _until(lambda: _more(term, b"40 132"), what="the new size")
-        term.send_stdin("top -b -n 1 | head -3; top\n")  # batch once, then the full-screen one
+        # batch once, then full-screen for a few rounds (it ends by itself: no key races its terminal setup)
+        term.send_stdin("top -b -n 1 | head -3; top -d 0.5 -n 6; echo top-$((6*7))-quit\n")
         _until(lambda: _more(term, b"\x1b[", since=b"load average"), what="top drawing the screen")
         term.resize(90, 20)  # top redraws for the new size
-        term.send_stdin("q")
-        term.send_stdin("echo top-quit\n")
-        _until(lambda: _more(term, b"top-quit\r\n"), what="top to quit")
+        _until(lambda: _more(term, b"top-42-quit\r\n"), what="top to end")  # not the echo of the typed line
         term.send_stdin("exit 3\n")
         assert term.wait(timeout=60).exit_code == 3
 
@@ -139,7 +138,7 @@ def test_pty_edits_a_file_with_vi(client: shoal.Client) -> None:
         term.resize(120, 40)
         term.send_stdin("ihello from vi")
         _until(lambda: _more(term, b"hello from vi"), what="the typed text on the screen")
-        mark = len(_SCREENS[term.id])
+        mark = len(_SCREENS[(sb.id, term.id)])
         term.send_stdin("\x1b")  # alone: vi takes keys right after ESC as part of an escape sequence
         _until(lambda: b"\x1b[K- " in (_more(term, b"") or b"")[mark:], what="vi's command mode")
         term.send_stdin(":wq\r")
@@ -147,14 +146,15 @@ def test_pty_edits_a_file_with_vi(client: shoal.Client) -> None:
         assert sb.files.read("/tmp/note.txt") == b"hello from vi\n"
 
 
-_SCREENS: dict[int, bytes] = {}
+_SCREENS: dict[tuple[str, int], bytes] = {}
 
 
 def _more(term: shoal.Process, needle: bytes, since: bytes | None = None) -> bytes | None:
     """Read what the terminal printed since the last call; the whole screen so far if `needle` is in it
     (after `since`, when given)."""
-    seen = _SCREENS.get(term.id, b"") + term.read()[0]
-    _SCREENS[term.id] = seen
+    key = (term.sandbox.id, term.id)  # IDs are pids in the sandbox: another sandbox may reuse one
+    seen = _SCREENS.get(key, b"") + term.read()[0]
+    _SCREENS[key] = seen
     where = seen.find(since) if since else 0
     return seen if where >= 0 and needle in seen[where:] else None
 
