@@ -186,3 +186,75 @@ def test_expose_over_tls(secure: LocalCluster) -> None:
             conn.request("GET", "/t.txt")
             assert conn.getresponse().read() == b"tls relay"
             conn.close()
+
+
+def test_cluster_up_with_tls_on_ray(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`shoal cluster up --tls DIR` on a real two-node Ray cluster: a CA made in DIR, every node and gateway
+    serving TLS with a certificate the controller issued for its Ray node, the gateway verifying its nodes,
+    and `shoal.Client(ray_address=...)` getting the CA with the gateways; plaintext is refused."""
+    import os
+    import shutil
+
+    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'shoal[cluster]'")
+    from conftest import IMAGES
+    from ray.cluster_utils import Cluster
+
+    from shoal.cluster import ray as shoal_ray
+
+    monkeypatch.setenv("RAY_TMPDIR", f"/tmp/rt9-{os.getpid()}")
+    monkeypatch.delenv("SHOAL_PLAINTEXT_TOKENS", raising=False)  # nothing here may fall back to clear text
+    home = tmp_path_factory.mktemp("ray-tls")
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    except Exception as exc:  # pragma: no cover - only where Ray cannot run at all
+        pytest.skip(f"Ray cannot start a cluster here: {exc}")
+    homes: list[tuple[str, str]] = []
+    try:
+        cluster.add_node(num_cpus=1)
+        ray.init(address=cluster.address, namespace=shoal_ray.NAMESPACE, log_to_driver=False)
+        env = {"SHOAL_IMAGES": str(IMAGES), "SHOAL_MAX_SANDBOXES": "4"}
+        info = shoal_ray.cluster_up(
+            home=str(home / "cluster"), gateways=1, node_env=env, wait_nodes=2, tls_dir=str(home / "tls")
+        )
+        ca = home / "tls" / "ca.crt"
+        assert info["tls_ca"] == ca.read_text()
+        with shoal.Client(ray_address=cluster.address) as c:  # the CA comes from the controller
+            assert c._async.address.startswith("shoals://")
+            deadline = time.monotonic() + 150
+            while True:  # the gateway reaches both nodes (over TLS, verified against the CA)
+                with shoal.Client(c._async.address, token=_admin(shoal_ray), tls_ca=str(ca)) as admin:
+                    status = admin._run(admin._async.call("cluster_status"))
+                if sum(n["healthy"] for n in status["nodes"].values()) == 2:
+                    break
+                assert time.monotonic() < deadline, f"nodes did not come up over TLS: {status}"
+                time.sleep(0.5)
+            made = c.create_many(2, image="busybox", pool=False, ttl_s=300)
+            try:
+                assert all(isinstance(s, shoal.Sandbox) for s in made), made
+                assert {s.exec("echo over tls").stdout for s in made} == {"over tls\n"}
+            finally:
+                c.close_all()
+        host, port = info["gateways"][0]
+        nodes = [n["address"] for n in shoal_ray.cluster_status()["nodes"].values()]
+        for address in [f"{host}:{port}", *nodes]:
+            with shoal.Client(f"shoals://{address}", token=info["token"], tls_ca=str(ca)) as c:
+                assert c.list() == []
+            monkeypatch.setenv("SHOAL_PLAINTEXT_TOKENS", "1")  # even a client willing to send it in clear
+            with pytest.raises(shoal.ShoalError):
+                shoal.Client(f"shoal://{address}", token=info["token"])
+            monkeypatch.delenv("SHOAL_PLAINTEXT_TOKENS")
+        homes = [(n["home"], n["cgroup_parent"]) for n in shoal_ray.cluster_status()["nodes"].values()]
+        codes = shoal_ray.cluster_down()
+        assert all(code == 0 for code in codes.values()), codes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(f"/tmp/rt9-{os.getpid()}", ignore_errors=True)
+    for node_home, cgroup_parent in homes:
+        assert not no_leftovers(Path(node_home), cgroup_parent, node_stopped=True)
+
+
+def _admin(shoal_ray) -> str:  # noqa: ANN001
+    import ray
+
+    return ray.get(shoal_ray.controller().cluster_token_for_admin.remote())

@@ -31,11 +31,13 @@ def cmd_cluster(args: argparse.Namespace) -> int:
             env["SHOAL_IMAGES"] = args.images
         info = shoal_ray.cluster_up(
             args.ray_address, home=args.cluster_home, gateways=args.gateways, gateway_port=args.port,
-            tokens=tokens, node_env=env, resource=args.resource, wait_nodes=args.wait_nodes,
+            tokens=tokens, node_env=env, resource=args.resource, wait_nodes=args.wait_nodes, tls_dir=args.tls,
         )  # fmt: skip
-        addresses = ",".join(f"shoal://{h}:{p}" for h, p in info["gateways"])
+        scheme = "shoals://" if args.tls else "shoal://"
+        addresses = ",".join(f"{scheme}{h}:{p}" for h, p in info["gateways"])
         print(f"shoal cluster up: {len(info['status']['nodes'])} nodes, gateways {addresses}")
-        print(f"connect: shoal.Client({addresses!r}, token=...) or shoal.Client(ray_address={args.ray_address!r})")
+        ca = f", tls_ca={str(Path(args.tls) / 'ca.crt')!r}" if args.tls else ""
+        print(f"connect: shoal.Client({addresses!r}, token=...{ca}) or shoal.Client(ray_address={args.ray_address!r})")
         print(f"default project token: {info['token']}")
     elif args.action == "down":
         print(json.dumps(shoal_ray.cluster_down(args.ray_address)))
@@ -401,6 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_argument("--images", help="image store on each machine (default /var/lib/shoal/store)")
     cluster.add_argument("--resource", help="only Ray nodes offering this custom resource run shoal")
     cluster.add_argument("--wait-nodes", type=int, default=1)
+    cluster.add_argument(
+        "--tls",
+        metavar="DIR",
+        help="make a CA in DIR (kept if there) and serve every port with TLS from its certificates",
+    )
     cluster.set_defaults(func=cmd_cluster)
     e2b = sub.add_parser("e2b", help="serve E2B's API (unmodified e2b SDK programs) backed by shoal; docs/E2B.md")
     e2b.add_argument("action", choices=["serve"])

@@ -76,14 +76,15 @@ def server_context(cert: str | os.PathLike[str] | None = None, key: str | os.Pat
     return ctx
 
 
-def client_context(ca: str | os.PathLike[str] | None = None) -> ssl.SSLContext:
-    """The client side: verify the server against `ca` (default SHOAL_TLS_CA, else the system's CAs).
+def client_context(ca: str | os.PathLike[str] | None = None, cadata: str | None = None) -> ssl.SSLContext:
+    """The client side: verify the server against `ca` (default SHOAL_TLS_CA, else the system's CAs), or
+    against the PEM `cadata` (a cluster on Ray hands its CA to clients that way, see cluster/ray.py).
     Make it once per client: loading the system's CAs costs tens of ms (bench/bench_tls.py)."""
-    ca = ca or settings.TLS_CA.raw()
-    try:
-        ctx = ssl.create_default_context(cafile=str(ca) if ca else None)  # a CA file: only it is trusted
+    ca = None if cadata else (ca or settings.TLS_CA.raw())
+    try:  # a CA given: only it is trusted
+        ctx = ssl.create_default_context(cafile=str(ca) if ca else None, cadata=cadata)
     except (OSError, ssl.SSLError) as exc:
-        raise InvalidRequestError(f"cannot load the TLS CA file {ca}: {exc}") from exc
+        raise InvalidRequestError(f"cannot load the TLS CA {ca or 'given'}: {exc}") from exc
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx
 
@@ -170,3 +171,16 @@ def init(directory: str | os.PathLike[str], names: list[str], hosts: list[str]) 
         cert, key = issue(directory, name, hosts or [socket.gethostname()])
         out[name] = f"{cert} {key}"
     return out
+
+
+def write_material(directory: str | os.PathLike[str], name: str, material: dict[str, str]) -> dict[str, str]:
+    """Write PEM `material` ({"cert", "key", "ca"}) as name.crt, name.key, ca.crt in `directory` (owner-only);
+    returns the SHOAL_TLS_* settings that make a node or gateway serve with it and trust that CA."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    d.chmod(0o700)
+    paths = {"cert": d / f"{name}.crt", "key": d / f"{name}.key", "ca": d / "ca.crt"}
+    for what, path in paths.items():
+        path.touch(mode=0o600)
+        path.write_text(material[what])
+    return {"SHOAL_TLS_CERT": str(paths["cert"]), "SHOAL_TLS_KEY": str(paths["key"]), "SHOAL_TLS_CA": str(paths["ca"])}

@@ -127,7 +127,13 @@ class AsyncClient:
             info = await asyncio.to_thread(connect_info, self.ray_address, self.project)
             self._endpoints = [tuple(e) for e in info["gateways"]]
             self.token = self.token or info["token"]
-            self.address = ",".join(f"shoal://{h}:{p}" for h, p in self._endpoints)
+            if info.get("tls_ca"):  # a cluster up with --tls: its CA comes with the answer
+                self._tls, self._ssl = (
+                    True,
+                    tls.client_context(self.tls_ca, cadata=None if self.tls_ca else info["tls_ca"]),
+                )
+            scheme = tls.SCHEME_TLS if self._tls else tls.SCHEME_PLAIN
+            self.address = ",".join(f"{scheme}{h}:{p}" for h, p in self._endpoints)
         if self._endpoints:
             return await self._open_tcp()
         try:

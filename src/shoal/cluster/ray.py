@@ -9,6 +9,11 @@
   matches the selector, the membership pushed to every gateway, departed nodes reported as gone.
 
 `shoal cluster up` / `down` / `status` drive it; `shoal.Client(ray_address="auto")` asks it for a gateway.
+
+TLS (`shoal cluster up --tls DIR`): a CA is made in DIR on the machine running `cluster up` and handed to the
+controller, which issues every node and gateway a certificate for its Ray node's address; each then serves
+TLS only (tokens in clear are refused), gateways verify their nodes, and `connect_info` gives clients the
+CA, so `shoal.Client(ray_address=...)` speaks TLS with no file to copy. The CA key stays with the controller.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from shoal import tls
 from shoal.client.ray import CONTROLLER, NAMESPACE, ask_controller, controller, ensure_ray
 from shoal.cluster.auth import CLUSTER_ROLE, new_token
 from shoal.errors import NodeError
@@ -127,6 +133,13 @@ def _run_async(coro: Any) -> Any:
     return box.get("result")
 
 
+def _tls_env(directory: Path, name: str, certificate: dict[str, str] | None) -> dict[str, str]:
+    """With a certificate from the controller: its files, and tokens in clear refused (TLS only)."""
+    if certificate is None:
+        return {}
+    return {**tls.write_material(directory, name, certificate), "SHOAL_PLAINTEXT_TOKENS": "0"}
+
+
 def _env(extra: dict[str, str]) -> dict[str, str]:
     """Nodes and gateways on Ray speak plain TCP inside the Ray cluster's network, which shoal takes as
     trusted (docs/SECURITY.md): tokens between Ray machines are allowed in clear unless the environment says
@@ -138,7 +151,10 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 class NodeAgent:
     """The shoal node of one Ray node."""
 
-    def __init__(self, node_id: str, home: str, tokens: dict[str, Any], settings: dict[str, str]) -> None:
+    def __init__(
+        self, node_id: str, home: str, tokens: dict[str, Any], settings: dict[str, str],
+        certificate: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.node_id = node_id
         self.home = Path(home)
         self.home.mkdir(parents=True, exist_ok=True)
@@ -155,6 +171,7 @@ class NodeAgent:
             # images are shared by the nodes of a machine (read-only layers), not built once per node
             "SHOAL_IMAGES": IMAGES_DIR.raw() or "/var/lib/shoal/store",
             **{k: v for k, v in settings.items() if k.startswith("SHOAL_")},
+            **_tls_env(self.home / "tls", node_id, certificate),
         }
         self.supervisor = Supervisor(
             f"node {node_id}", [sys.executable, "-m", "shoal.node"], _env(env), self.home / "node.addr",
@@ -190,7 +207,10 @@ class NodeAgent:
 
 @ray.remote(num_cpus=0, max_concurrency=4)
 class GatewayAgent:
-    def __init__(self, name: str, workdir: str, tokens: dict[str, Any], listen: str, options: list[str]) -> None:
+    def __init__(
+        self, name: str, workdir: str, tokens: dict[str, Any], listen: str, options: list[str],
+        certificate: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         tokens_file = self.workdir / f"{name}.tokens.json"
@@ -199,7 +219,8 @@ class GatewayAgent:
         addr = self.workdir / f"{name}.addr"
         argv = [sys.executable, "-m", "shoal.cluster.gateway", "--listen", listen, "--name", name]
         argv += ["--tokens", str(tokens_file), "--addr-file", str(addr), "--http", "0.0.0.0:0", *options]
-        self.supervisor = Supervisor(f"gateway {name}", argv, _env({}), addr, self.workdir / f"{name}.log")
+        env = _env(_tls_env(self.workdir / f"tls-{name}", name, certificate))
+        self.supervisor = Supervisor(f"gateway {name}", argv, env, addr, self.workdir / f"{name}.log")
         self.http_file = Path(str(addr) + ".http")
 
     def info(self) -> dict[str, Any]:
@@ -235,6 +256,14 @@ class Controller:
         self.gateways: list[Any] = []
         self.gateway_infos: list[dict[str, Any]] = []
         self.stopping = False
+        self.ca: str | None = None  # the CA's PEM when the cluster speaks TLS
+        self.client_tls: Any = None
+        if config.get("tls"):
+            self.ca_dir = Path(self.home) / "tls-ca"
+            tls.write_material(self.ca_dir, "ca", {"cert": config["tls"]["ca"], "key": config["tls"]["ca_key"],
+                                                   "ca": config["tls"]["ca"]})  # fmt: skip
+            self.ca = config["tls"]["ca"]
+            self.client_tls = tls.client_context(cadata=self.ca)
         self.lock = threading.Lock()
         self.errors: list[str] = []
         self.ready = threading.Event()
@@ -267,12 +296,14 @@ class Controller:
         port = int(self.config.get("gateway_port", 0))
         options = [str(o) for o in self.config.get("gateway_options", [])]
         here = ray.get_runtime_context().get_node_id()
+        everywhere = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]})  # where it may run
         for i in range(count):
             listen = f"0.0.0.0:{port + i if port else 0}"
             agent = _adopt(f"shoal-gateway-{i + 1}") or GatewayAgent.options(
                 name=f"shoal-gateway-{i + 1}", namespace=NAMESPACE, lifetime="detached",
                 scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
-            ).remote(f"gw{i + 1}", f"{self.home}/gateways", self.tokens, listen, options)  # fmt: skip
+            ).remote(f"gw{i + 1}", f"{self.home}/gateways", self.tokens, listen, options,
+                     self._certificate(f"gw{i + 1}", everywhere))  # fmt: skip
             self.gateways.append(agent)
         self.gateway_infos = ray.get([g.info.remote() for g in self.gateways], timeout=120)
 
@@ -312,7 +343,8 @@ class Controller:
                         self.agents[rid] = NodeAgent.options(
                             name=f"shoal-node-{node_id}", namespace=NAMESPACE, lifetime="detached",
                             scheduling_strategy=NodeAffinitySchedulingStrategy(rid, soft=False),
-                        ).remote(node_id, f"{self.home}/{node_id}", self.tokens, settings)  # fmt: skip
+                        ).remote(node_id, f"{self.home}/{node_id}", self.tokens, settings,
+                                 self._certificate(node_id, [alive[rid]["NodeManagerAddress"]]))  # fmt: skip
                     except ValueError:  # the name of an agent that is being killed: next round
                         continue
                     self.gone.pop(node_id, None)
@@ -330,6 +362,16 @@ class Controller:
                 self.errors = [*self.errors[-9:], f"gateway info: {exc}"]
             nodes = {i["node_id"]: i["address"] for i in self.infos.values() if i.get("address")}
             _run_async(self._push(nodes))
+
+    def _certificate(self, name: str, hosts: list[str]) -> dict[str, str] | None:
+        """PEM cert, key and CA for `name` valid for `hosts` (None without TLS); issued here, so the CA
+        key never leaves the controller."""
+        if self.ca is None:
+            return None
+        cert, key = tls.issue(self.ca_dir, name, hosts)
+        material = {"cert": cert.read_text(), "key": key.read_text(), "ca": self.ca}
+        key.unlink()
+        return material
 
     def _drop(self, rid: str, reason: str) -> None:
         agent = self.agents.pop(rid, None)
@@ -349,7 +391,10 @@ class Controller:
             host, _, port = info["address"].rpartition(":")
             try:
                 conn = await asyncio.wait_for(
-                    Connection.open_tcp(host, int(port), self.cluster_token, plaintext_ok=True), 5
+                    Connection.open_tcp(
+                        host, int(port), self.cluster_token, plaintext_ok=True, tls_context=self.client_tls
+                    ),
+                    5,
                 )
                 try:
                     await asyncio.wait_for(conn.call("cluster_nodes", {"nodes": nodes, "gone": self.gone}), 5)
@@ -367,7 +412,7 @@ class Controller:
         for info in self.gateway_infos:
             host, _, port = info["address"].rpartition(":")
             gateways.append((host, int(port)))
-        return {"gateways": gateways, "token": token}
+        return {"gateways": gateways, "token": token, **({"tls_ca": self.ca} if self.ca else {})}
 
     def projects(self) -> list[str]:
         return sorted({p for p in self.tokens["tokens"].values() if p != CLUSTER_ROLE})
@@ -434,10 +479,14 @@ def cluster_up(
     gateway_options: list[str] | None = None,
     wait_nodes: int = 1,
     timeout: float = 180.0,
+    tls_dir: str | None = None,
 ) -> dict[str, Any]:
     """Start shoal on the Ray cluster at `address`: a node agent on every (selected) Ray node, and gateways.
+    With `tls_dir`, every port speaks TLS with certificates of a CA made there (kept if present; clients
+    may use its ca.crt, or get the CA from `connect_info`).
 
-    Idempotent: a running controller is reused. Returns `{"gateways": [...], "token": ..., "status": ...}`.
+    Idempotent: a running controller is reused. Returns `{"gateways": [...], "token": ..., "status": ...}`
+    (and `tls_ca`, the CA's PEM, with TLS).
     """
     ensure_ray(address)
     here = ray.get_runtime_context().get_node_id()
@@ -450,6 +499,9 @@ def cluster_up(
         "resource": resource,
         "gateway_options": gateway_options or [],
     }
+    if tls_dir is not None:
+        ca = tls.make_ca(tls_dir)
+        config["tls"] = {"ca": ca.read_text(), "ca_key": (ca.parent / "ca.key").read_text()}
     ctl = Controller.options(
         name=CONTROLLER, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
