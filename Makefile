@@ -3,9 +3,10 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 # chromium + chromium-driver: tests/test_console.py drives the web console in Debian's headless chromium (selenium)
+# novnc: the live view of a screen (shoal/view.py serves /usr/share/novnc; tests/test_gui.py loads it in chromium)
 APT_PACKAGES := crun runc runsc bubblewrap mmdebstrap busybox-static erofs-utils iproute2 nftables e2fsprogs \
 	qemu-system-x86 qemu-utils gcc libc6-dev make psmisc procps file util-linux \
-	skopeo umoci docker-registry openssl chromium chromium-driver
+	skopeo umoci docker-registry openssl chromium chromium-driver novnc
 PYTHON ?= python3
 
 .PHONY: setup demo test test-fast bench bench-vm lint settings-doc clean-state apt venv agent images vm-images

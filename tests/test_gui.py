@@ -133,3 +133,53 @@ def test_a_vm_screen_through_qmp_alone(client: shoal.Client) -> None:
         with pytest.raises(shoal.InvalidRequestError, match="unknown key"):
             vm.gui.key("NoSuchKeyName")
         assert "gui" in [step["op"] for step in vm.log()]
+
+
+def _chromium(workdir: str):  # noqa: ANN202
+    """Debian's headless chromium through selenium, with a fresh profile (Makefile APT_PACKAGES, [dev])."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage"]
+    flags += ["--disable-background-networking", f"--user-data-dir={workdir}/profile", "--window-size=1200,900"]
+    for flag in flags:
+        options.add_argument(flag)
+    return webdriver.Chrome(options=options, service=Service("/usr/bin/chromedriver"))
+
+
+_LIT_PIXELS = """const c = document.querySelector('#screen canvas');
+if (!c || c.width < 2) return null;
+const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+let lit = 0; for (let i = 0; i < d.length; i += 4) if (d[i] + d[i + 1] + d[i + 2] > 150) lit++;
+return [c.width, c.height, lit];"""
+
+
+def test_live_view_of_a_vm_in_a_real_browser(client: shoal.Client, tmp_path) -> None:  # noqa: ANN001
+    """`sb.view()`: noVNC (Debian's novnc) served by the node, its websocket bridged to QEMU's VNC server;
+    headless chromium shows the VM's console: the canvas has the screen's size and the typed text lit."""
+    if "vm" not in client.kinds():
+        pytest.skip("QEMU is not installed on this node")
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    with client.create("vm", image="debian", screen=(1024, 768), pool=False, ttl_s=900) as vm:
+        vm.gui.type("echo the view shows this line\n")
+        url = vm.view()
+        assert "/view/" + vm.id + "/5900." in url
+        driver = _chromium(str(tmp_path))
+        try:
+            driver.get(url)
+            seen = WebDriverWait(driver, 120, 0.5).until(
+                lambda d: (r := d.execute_script(_LIT_PIXELS)) and r[2] > 200 and r, "the VM's screen in the canvas"
+            )
+            assert seen[:2] == [1024, 768]
+            assert driver.execute_script("return document.body.dataset.state") == "connected"
+        finally:
+            driver.quit()
+        bad = url.replace("/5900.", "/5900.0000")
+        import urllib.request
+
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(bad + "websockify", timeout=30)
+        assert refused.value.code in (400, 401)

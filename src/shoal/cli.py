@@ -85,6 +85,18 @@ def cmd_console(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_view(args: argparse.Namespace) -> int:
+    """The live view (noVNC) of a sandbox's screen: a URL with its key, through the node or the gateway."""
+    with _client(args) as client:
+        url = client.get(args.id).view()
+    print(url)
+    if args.open:
+        import webbrowser
+
+        webbrowser.open(url)
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -425,6 +437,10 @@ def main(argv: list[str] | None = None) -> int:
     console.add_argument("--http", help="host:port of a node's or gateway's HTTP (default: the local node's)")
     console.add_argument("--open", action="store_true", help="also open it in a browser")
     console.set_defaults(func=cmd_console)
+    view_cmd = sub.add_parser("view", help="print (or --open) the URL of a sandbox's live screen (noVNC)")
+    view_cmd.add_argument("id", help="a sandbox with a screen (a desktop container or a vm with screen=)")
+    view_cmd.add_argument("--open", action="store_true", help="also open it in a browser")
+    view_cmd.set_defaults(func=cmd_view)
     top = sub.add_parser("top", help="live view of a cluster (through a gateway)")
     top.add_argument("--ray-address", help="find the gateway through this Ray cluster")
     top.add_argument("--interval", type=float, default=1.0)

@@ -288,11 +288,14 @@ def status_of(exc: BaseException) -> RelayError:
     return RelayError(502, type(exc).__name__, str(exc))
 
 
-async def serve_loopback(open_tunnel: OpenTunnel, host: str = "127.0.0.1") -> tuple[asyncio.AbstractServer, int]:
-    """A relay-only listener (a node without SHOAL_HTTP); returns it and its port."""
+async def serve_loopback(
+    open_tunnel: OpenTunnel, host: str = "127.0.0.1", inner: Callable[[], asyncio.Protocol] | None = None
+) -> tuple[asyncio.AbstractServer, int]:
+    """A relay listener (a node without SHOAL_HTTP; `inner` serves what is not a port request); returns it
+    and its port."""
 
     def factory() -> asyncio.Protocol:
-        return Demux(None, open_tunnel)
+        return Demux(inner, open_tunnel)
 
     server = await asyncio.get_running_loop().create_server(factory, host, 0)
     return server, server.sockets[0].getsockname()[1]

@@ -837,6 +837,11 @@ class AsyncSandbox:
         result = await self.client.call("expose", {"sandbox_id": self.id, "port": port})
         return reachable_url(result["url"], self.client)
 
+    async def view(self) -> str:
+        """A URL of the live view of this sandbox's screen (noVNC in a browser, served by the node or the
+        gateway, shoal/view.py); it opens with the key of `expose(5900)`, the screen's VNC stream."""
+        return (await self.expose(5900)).replace("/ports/", "/view/", 1)
+
     async def open_tcp(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A raw TCP stream (any protocol) to `port` inside the sandbox, through the same relay as `expose`."""
         return await ports.open_tcp(await self.expose(port), self.client._tls_context())

@@ -334,6 +334,10 @@ class Sandbox:
         """See AsyncSandbox.expose: a URL reaching `port` inside the sandbox through the node or gateway."""
         return self._client._run(self._inner.expose(port))
 
+    def view(self) -> str:
+        """See AsyncSandbox.view: a URL of the live view (noVNC) of the sandbox's screen."""
+        return self._client._run(self._inner.view())
+
     def forward(self, port: int, local_port: int = 0) -> PortForward:
         """See AsyncSandbox.forward: 127.0.0.1:<local port> (`.address`) carries raw TCP to `port` inside the
         sandbox, served on the client's loop thread until `.close()` (or the `with` block's end)."""

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from shoal import console, netguard, ops, portrelay, settings, tls
+from shoal import console, netguard, ops, portrelay, settings, tls, view
 from shoal.cluster import fusion
 from shoal.cluster.consoles import GatewayConsole, NodeConsole
 from shoal.cluster.metrics import CONTENT_TYPE, node_metrics
@@ -159,6 +159,7 @@ async def serve_node_http(
     app.add_routes([web.get("/metrics", metrics), web.get("/healthz", healthz)])
     app.add_routes(fusion.routes(authenticate, run_code, _error))
     console.mount(app, NodeConsole(server, registry, session))
+    view.mount(app, open_port)  # the live view of a screen: its websocket opens port 5900 like sb.expose
     close, url = await _start(app, where, None if home is None else Path(home) / "node.http", open_port)
     server.service.ports.base = url  # sb.expose answers URLs through this
     return close
@@ -195,6 +196,8 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
         make the gateway buffer one); bodies are capped at MAX_BODY (SHOAL_HTTP_MAX_BODY, 413 above)."""
         if request.path in PUBLIC or request.path == console.PREFIX or request.path.startswith(console.PREFIX + "/"):
             return await handler(request)  # the console authenticates by its own session (shoal/console)
+        if request.path.startswith((view.PREFIX, "/novnc/")):
+            return await handler(request)  # a view's websocket is opened by its key (shoal/view.py)
         try:
             if not request.secure:
                 tls.refuse_plaintext(request.remote or "", f"gateway {gateway.name} HTTP")
@@ -326,6 +329,7 @@ async def serve_gateway_http(gateway: Any, where: str, addr_file: Any = None) ->
         ]
     )
     console.mount(app, GatewayConsole(gateway))
+    view.mount(app, open_port)  # the key in a view URL goes to the node, as for sb.expose
     close, url = await _start(app, where, addr_file, open_port)
     gateway.http_url = url
     return close

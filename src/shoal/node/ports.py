@@ -7,7 +7,8 @@ network stack) and VMs (the serial mux), and never opens the sandbox's network p
 Keys are derived, not stored: HMAC(the node's secret, sandbox ID[, port]), the secret kept in
 `$SHOAL_HOME/ports.secret` (0600), so a key survives a node restart with its sandbox and means nothing once
 the sandbox is closed (the relay then finds no sandbox). The URL's base is the node's HTTP (SHOAL_HTTP,
-cluster/http.py sets `base`), or else a relay-only listener on 127.0.0.1 started at the first expose.
+cluster/http.py sets `base`), or else a relay listener on 127.0.0.1 started at the first expose (ports and the
+live view of a screen, shoal/view.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import os
 import secrets
 from pathlib import Path
 
-from shoal import portrelay
+from aiohttp import web
+
+from shoal import portrelay, view
 from shoal.portrelay import RelayError, Stream, Target
 
 
@@ -28,6 +31,7 @@ class NodePorts:
         self.base: str | None = None  # the node's HTTP URL, if it serves one
         self._loopback: asyncio.AbstractServer | None = None
         self._starting: asyncio.Lock | None = None
+        self._runner: web.AppRunner | None = None
 
     @property
     def secret(self) -> bytes:
@@ -67,7 +71,11 @@ class NodePorts:
                         )  # fmt: skip
                     return await open_port(target)
 
-                self._loopback, port = await portrelay.serve_loopback(open_keyed)
+                app = web.Application()
+                view.mount(app, open_keyed)  # the live view of a screen (noVNC) on the same listener
+                self._runner = web.AppRunner(app, access_log=None)
+                await self._runner.setup()
+                self._loopback, port = await portrelay.serve_loopback(open_keyed, inner=self._runner.server)
                 self._loopback_base = f"http://127.0.0.1:{port}"
         return self._loopback_base
 
@@ -75,3 +83,6 @@ class NodePorts:
         if self._loopback is not None:
             self._loopback.close()
             self._loopback = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

@@ -67,6 +67,7 @@ from shoal.settings import QEMU
 from shoal.steps import BULK_BYTES
 from shoal.substrates import Substrate
 from shoal.substrates.container import ContainerSubstrate
+from shoal.view import VNC_PORT
 
 log = logging.getLogger("shoal.node")
 # this node process's mark in the shell IDs it makes: a shell ID with another mark was opened by an earlier
@@ -915,6 +916,8 @@ class NodeService:
             raise InvalidRequestError(f"{sandbox_id} is a function sandbox: it serves no ports")
         sandbox = await self._awake(self._get(sandbox_id))
         sandbox.last_active = time.time()  # traffic to its ports keeps a sandbox from its idle timeout
+        if port == VNC_PORT and hasattr(sandbox.screen, "open_vnc"):
+            return await sandbox.screen.open_vnc()  # a VM's screen: QEMU's own VNC server (shoal/view.py)
         try:
             return await sandbox.agent.open_port(port)
         except ConnectionRefusedError as exc:

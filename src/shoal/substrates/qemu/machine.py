@@ -112,7 +112,7 @@ class Machine:
             "-device", f"virtio-rng-{virtio},rng=rng0,id=rng0dev",
             "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
             "-pidfile", str(self.directory / "qemu.pid"),
-            *(screen_mod.device_args(c.machine) if c.screen else []),
+            *(screen_mod.device_args(c.machine, self.directory) if c.screen else []),
             *c.extra_args,
         ]  # fmt: skip
         if incoming is not None:
@@ -248,7 +248,7 @@ class Machine:
                 os.kill(self.pid, signal.SIGKILL)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self.exited), 10)
-        for path in (self.qmp_path, self.serial_path, self.directory / "qemu.pid"):
+        for path in (self.qmp_path, self.serial_path, self.directory / "qemu.pid", self.directory / "vnc.sock"):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 

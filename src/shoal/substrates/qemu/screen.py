@@ -32,6 +32,7 @@ VESA_MODES = {
     (1600, 900): 0x195,
 }  # fmt: skip
 DEFAULT_VM_SCREEN = (1280, 800)
+VNC_SOCKET = "vnc.sock"  # QEMU's VNC server of the screen, in the VM's directory (the live view)
 
 BUTTONS = {"left": "left", "middle": "middle", "right": "right"}
 # xdotool / X keysym names (lower-cased) -> QEMU QKeyCode.
@@ -69,11 +70,20 @@ def vga_mode(width: int, height: int) -> int:
     return 0x200 + mode
 
 
-def device_args(machine: str) -> list[str]:
-    """QEMU devices of a screen: standard VGA and a USB tablet (absolute pointer) on an xHCI controller."""
+def device_args(machine: str, directory: Path | None = None) -> list[str]:
+    """QEMU devices of a screen: standard VGA, a USB tablet (absolute pointer) on an xHCI controller, and a
+    VNC server on a unix socket in `directory` (no TCP port: the node relays it to the live view)."""
     if machine != "q35":
         raise InvalidRequestError("screen= needs a PCI machine (kind='vm'); a microvm has no display device")
-    return ["-device", "VGA,id=vga0", "-device", "qemu-xhci,id=xhci0", "-device", "usb-tablet,bus=xhci0.0,id=tablet0"]
+    devices = [
+        "-device",
+        "VGA,id=vga0",
+        "-device",
+        "qemu-xhci,id=xhci0",
+        "-device",
+        "usb-tablet,bus=xhci0.0,id=tablet0",
+    ]
+    return devices + (["-vnc", f"unix:{directory / VNC_SOCKET}"] if directory is not None else [])
 
 
 def _png_size(data: bytes) -> tuple[int, int]:
@@ -214,6 +224,10 @@ class QmpScreen:
             except TypeError as exc:
                 raise InvalidRequestError(f"gui {action}: {exc}") from None
             return {"result": result}
+
+    async def open_vnc(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A byte stream to QEMU's VNC server of this screen (the live view, shoal/view.py)."""
+        return await asyncio.open_unix_connection(str(self.directory / VNC_SOCKET))
 
     async def close(self) -> None:
         """Nothing to stop: the screen ends with its QEMU."""
