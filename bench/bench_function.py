@@ -146,16 +146,17 @@ def shoal_ways(lc: LocalCluster, rows: dict[str, Row], args: argparse.Namespace)
     c = args.concurrency
     url = f"shoal://{node.address}"
 
-    async def warm() -> None:
-        # by demand, not set_pool: the node's worker budget (SHOAL_FN_MAX_WORKERS) is shared by the pools
-        # these ways use (plain, holding cloudpickle, debian-dev), and a warm minimum is never evicted
+    async def warm(way: str) -> None:
+        """Grow the way's pool before it is timed (and again each way: idle workers retire after
+        SHOAL_FN_IDLE_S, and a way that starts workers while timed would count their start)."""
         async with shoal.AsyncClient(url, token=token) as client:
-            await asyncio.gather(*(client.call("1") for _ in range(c * 4)))
-            async for _ in client.map(lambda x: x, range(c * 8), concurrency=c):
-                pass  # the workers that hold cloudpickle
-            await asyncio.gather(*(client.run_code("print(1)") for _ in range(c * 2)))
-
-    asyncio.run(warm())
+            if way in ("shoal call(source)", "shoal exec"):
+                await asyncio.gather(*(client.call("1") for _ in range(c * 4)))
+            elif way == "shoal map(function)":
+                async for _ in client.map(lambda x: x, range(c * 16), concurrency=c, batch=2):
+                    pass  # the workers that hold cloudpickle
+            else:
+                await asyncio.gather(*(client.run_code("print(1)") for _ in range(c * 4)))
 
     async def calls() -> tuple[float, list[float]]:
         async with shoal.AsyncClient(url, token=token) as client:
@@ -207,6 +208,7 @@ def shoal_ways(lc: LocalCluster, rows: dict[str, Row], args: argparse.Namespace)
         ("POST /run_code (node HTTP)", args.snippets, fusion),
     ]
     for name, n, run in ways:
+        asyncio.run(warm(name))
         profiler = None
         if args.profile:
             out = Path(args.profile) / f"node-{name.split()[1].strip('(/')}.txt"
@@ -289,6 +291,9 @@ def main() -> int:
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     rows: dict[str, Row] = {}
+    # room for every pool these ways use at once (plain, holding cloudpickle, debian-dev): at the default
+    # budget one way's pool would evict another's and the timed way would pay for starting workers
+    os.environ.setdefault("SHOAL_FN_MAX_WORKERS", str(3 * args.concurrency))
     workdir = Path(tempfile.mkdtemp(prefix="shoal-bench-fn-"))
     lc = LocalCluster(workdir, nodes=1, projects={"bench": {}}, prefix="bfn")
     try:
