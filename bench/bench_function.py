@@ -153,7 +153,7 @@ def shoal_ways(lc: LocalCluster, rows: dict[str, Row], args: argparse.Namespace)
             if way in ("shoal call(source)", "shoal exec"):
                 await asyncio.gather(*(client.call("1") for _ in range(c * 4)))
             elif way == "shoal map(function)":
-                async for _ in client.map(lambda x: x, range(c * 16), concurrency=c, batch=2):
+                async for _ in client.map(lambda x: x, range(c * 16), concurrency=c):
                     pass  # the workers that hold cloudpickle
             else:
                 await asyncio.gather(*(client.run_code("print(1)") for _ in range(c * 4)))

@@ -391,6 +391,10 @@ def test_run_code_python_behaves_as_python3_main_py(client: shoal.Client) -> Non
     assert client.run_code("import os; print(os.getcwd())", "python").stdout == "/work\n"
     bad = client.run_code("print(1", "python").run.stderr
     assert "SyntaxError" in bad and "runpy" not in bad, bad
+    # the program is the __main__ module (dataclasses and pickle look it up in sys.modules)
+    main_module = "import sys\nfrom dataclasses import dataclass\n@dataclass\nclass P:\n    x: int\n"
+    main_module += "print(P(1), sys.modules['__main__'].P is P, __file__)"
+    assert client.run_code(main_module, "python").stdout == "P(x=1) True /work/main.py\n"
 
 
 def test_killed_node_leaves_no_workers() -> None:

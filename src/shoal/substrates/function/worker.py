@@ -596,7 +596,7 @@ def run_python(spec: dict) -> int:
 def run_script(path: str) -> int:
     """`python3 <path>` without starting an interpreter: run it as __main__ in this forked child of the warm
     worker (its directory first on sys.path, argv [path]); the exit code python3 would give."""
-    import runpy
+    import types
 
     sys.argv = [path]
     sys.path[0] = os.path.dirname(os.path.abspath(path))
@@ -605,7 +605,14 @@ def run_script(path: str) -> int:
     sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
     code = 0
     try:
-        runpy.run_path(path, run_name="__main__")
+        # what runpy.run_path does for a plain file, without importing runpy and pkgutil into every child
+        # (as python3 since 3.9: __file__ and the code's file name are the absolute path)
+        main = types.ModuleType("__main__")
+        main.__file__, main.__builtins__ = os.path.abspath(path), __builtins__
+        sys.modules["__main__"] = main
+        with open(path, "rb") as handle:
+            source = handle.read()
+        exec(compile(source, main.__file__, "exec"), main.__dict__)
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0
