@@ -183,3 +183,25 @@ def test_live_view_of_a_vm_in_a_real_browser(client: shoal.Client, tmp_path) -> 
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(bad + "websockify", timeout=30)
         assert refused.value.code in (400, 401)
+
+
+def test_the_example_gui_rl_environment(client: shoal.Client) -> None:
+    """examples/gui_form_env.py: screenshot -> click -> reward read from the sandbox, on a desktop container."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    try:
+        import gui_form_env
+    finally:
+        sys.path.pop(0)
+    env = gui_form_env.FormEnv(client, target=3)
+    try:
+        reward, clicks = gui_form_env.scripted_episode(env)
+        assert (reward, clicks) == (1.0, 4)
+        shot = env.reset()  # a new episode: saving at once leaves the value at 0, not the target
+        _, reward, done = env.step(*gui_form_env.find_buttons(shot)["save"])
+        assert (reward, done) == (0.0, False)
+        assert env.state() == {"value": 0, "saved": 0, "clicks": 1}
+    finally:
+        env.close()
