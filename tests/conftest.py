@@ -174,6 +174,7 @@ class NodeProcess:
 # shoal-test-userns-<pid>, shoal-<node id>-<pid>... A parent whose <pid> no longer exists belongs to a run
 # that was killed before its fixtures could clean up. A live run's pid exists, so its parents never match.
 _RUN_PARENT = re.compile(r"^shoal-[A-Za-z0-9._-]+-([0-9]+)$")
+_PID_MAX = int(Path("/proc/sys/kernel/pid_max").read_text())  # a larger number is no pid: never swept
 
 
 def dead_run_parents() -> list[str]:
@@ -190,7 +191,7 @@ def dead_run_parents() -> list[str]:
             continue
         for entry in entries:
             match = _RUN_PARENT.match(entry.name)
-            if match and entry.is_dir() and not Path(f"/proc/{match[1]}").exists():
+            if match and int(match[1]) <= _PID_MAX and entry.is_dir() and not Path(f"/proc/{match[1]}").exists():
                 found.add(entry.name)
     return sorted(found)
 

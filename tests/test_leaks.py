@@ -144,7 +144,7 @@ def test_full_disk_is_a_clear_capacity_error(tmp_path) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("node_state", ["running", "killed"])
-def test_the_session_sweeper_clears_a_killed_runs_leftovers(tmp_path, node_state: str) -> None:  # noqa: ANN001
+def test_the_session_sweeper_clears_a_killed_runs_leftovers(tmp_path_factory, node_state: str) -> None:  # noqa: ANN001
     """A run killed before its fixtures ran leaves its node (or, if that was killed too, its sandboxes) behind
     under a cgroup parent named after its pid: conftest's sweeper finds the parent by the dead pid and clears
     it; the parents of live runs (this one's included) are never candidates."""
@@ -155,7 +155,7 @@ def test_the_session_sweeper_clears_a_killed_runs_leftovers(tmp_path, node_state
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid that no longer exists: the "killed run"
     parent = f"shoal-test-sweep-{gone.pid}"
-    node = NodeProcess(tmp_path / "home", parent).start()
+    node = NodeProcess(tmp_path_factory.mktemp("sweep") / "home", parent).start()  # short: socket paths fit
     with node.client() as client:
         for _ in range(2):
             sb = client.create(image="busybox", pool=False, ttl_s=600)
