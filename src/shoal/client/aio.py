@@ -11,7 +11,7 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from shoal import ops, protocol, settings, tls
 from shoal.client import functions, localfs, ports, procs, tartree
@@ -695,6 +695,14 @@ class AsyncSandbox:
             args["stdin"] = stdin.encode() if isinstance(stdin, str) else stdin
         args.update({k: v for k, v in options.items() if v is not None})
         return args
+
+    @overload
+    async def exec(
+        self, cmd: str | Sequence[str], *, background: Literal[True], **options: Any
+    ) -> AsyncProcess: ...  # pragma: no cover
+
+    @overload
+    async def exec(self, cmd: str | Sequence[str], **options: Any) -> ExecResult: ...  # pragma: no cover
 
     async def exec(
         self,
