@@ -440,6 +440,7 @@ def _drain(sock: socket.socket, data: bytes) -> None:
 
 JUNK = [None, -1, 2**63, 1.5, True, b"\xff\xfe", [], {}, [1, [2, [3]]], {"a": {"b": None}}, "", "../" * 40, "x" * 5000]
 REACHES_OUT = {"image_pull", "image_push", "image_build"}  # a junk name could make them look a host up
+SHARED = {"image_prune"}  # takes no arguments, so "junk" is a real call: on the store other test runs share
 
 
 def _frame_call(sock: socket.socket, message: dict) -> object:
@@ -473,6 +474,8 @@ def test_junk_arguments_to_every_operation_get_typed_errors(tmp_path_factory: py
     try:
         with node.client() as c:
             for name, op in sorted(ops.OPS.items()):
+                if name in SHARED:
+                    continue
                 fields = [f for f in op.request.__struct_fields__]
                 for junk in JUNK:
                     if name in REACHES_OUT and isinstance(junk, str):
