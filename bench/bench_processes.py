@@ -19,8 +19,8 @@ import time
 
 import shoal
 from shoal import cgroups
+from shoal.client.launch import spawn_background
 from shoal.config import Paths
-from shoal.node.daemon import spawn_background
 
 BOMB = "bash -c 'bomb() { bomb | bomb & }; bomb' >/dev/null 2>&1; echo started"
 
