@@ -77,6 +77,28 @@ class LayerMounts:
             held.refs += 1
             return held.path
 
+    def acquire_mounted(self, layer_ids: tuple[str, ...]) -> list[Path] | None:
+        """Take another reference on layers that are all mounted already (no I/O: fit for the event loop);
+        None, taking nothing, if one of them is not."""
+        with self._lock:
+            held = [self._held.get(layer_id) for layer_id in layer_ids]
+            if any(h is None for h in held):
+                return None
+            for h in held:
+                h.refs += 1  # type: ignore[union-attr]
+            return [h.path for h in held]  # type: ignore[union-attr]
+
+    def release_if_shared(self, layer_ids: tuple[str, ...] | list[str]) -> bool:
+        """Drop a reference on each layer if none of them is its last (no unmount: fit for the event loop);
+        False, dropping nothing, otherwise."""
+        with self._lock:
+            held = [self._held.get(layer_id) for layer_id in layer_ids]
+            if any(h is None or h.refs <= 1 for h in held):
+                return False
+            for h in held:
+                h.refs -= 1  # type: ignore[union-attr]
+            return True
+
     def release(self, layer_id: str) -> None:
         with self._lock:
             held = self._held.get(layer_id)

@@ -109,12 +109,14 @@ class NodeImages:
         Mounting runs in a thread that a cancellation cannot stop, so a cancelled caller hands what the
         thread acquired straight back."""
         ids = image.layer_ids
-        task = asyncio.ensure_future(asyncio.to_thread(self._acquire_all, ids, image.layers))
-        try:
-            paths = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(lambda t: None if t.cancelled() or t.exception() else self._release_all(ids))
-            raise
+        paths = self.mounts.acquire_mounted(ids)  # the common case, an image in use: no thread, no mount
+        if paths is None:
+            task = asyncio.ensure_future(asyncio.to_thread(self._acquire_all, ids, image.layers))
+            try:
+                paths = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                task.add_done_callback(lambda t: None if t.cancelled() or t.exception() else self._release_all(ids))
+                raise
         if sum(len(str(p)) + 1 for p in paths) > MAX_LOWERDIR_CHARS:
             await self.release(ids)
             raise ImageError(
@@ -138,7 +140,8 @@ class NodeImages:
             self.mounts.release(diff_id)
 
     async def release(self, layer_ids: list[str] | tuple[str, ...]) -> None:
-        await asyncio.to_thread(self._release_all, layer_ids)
+        if not self.mounts.release_if_shared(layer_ids):  # a last reference unmounts: off the loop
+            await asyncio.to_thread(self._release_all, layer_ids)
 
     # ---------------------------------------------------------------- snapshots
 
