@@ -444,3 +444,29 @@ def test_port_scan_is_refused_quickly(nclient: shoal.Client, hosts: tuple[EchoHo
         got = reach(sb, *targets)
         assert set(got.values()) == {"closed"}, {t: v for t, v in got.items() if v != "closed"}
         assert time.monotonic() - start < 10, "refused destinations should fail fast, not time out"
+
+
+def test_microvm_gets_the_same_policy(nclient: shoal.Client, hosts: tuple[EchoHost, EchoHost]) -> None:
+    """A microvm's NIC is bridged to the same veth + nftables plumbing as a container: allowlist, names, "none",
+    "internet" and changes at runtime behave alike, and a pause/resume (a new QEMU) keeps the policy."""
+    if "microvm" not in nclient.kinds():
+        pytest.skip("QEMU is not installed on this node")
+    a, b = hosts
+    allowed, other_port, other_host = f"{a.address}:8080", f"{a.address}:9090", f"{b.address}:8080"
+    with nclient.create("microvm", image="debian", pool=False, network=[f"tcp://{allowed}"], ttl_s=900) as vm:
+        expect = {allowed: "open", other_port: "closed", other_host: "closed", f"{a.gateway}:22": "closed"}
+        assert reach(vm, *expect) == expect
+        vm.set_network("other")  # by name, through the node's resolver
+        assert vm.exec("getent hosts mirror-b.test").stdout.split()[0] == b.address
+        assert reach(vm, "mirror-b.test:8080", allowed) == {"mirror-b.test:8080": "open", allowed: "closed"}
+        vm.set_network("internet")  # every public address; private ranges (the test hosts) stay closed
+        assert reach(vm, allowed, other_host) == {allowed: "closed", other_host: "closed"}
+        vm.set_network([f"tcp://{allowed}"])
+        vm.pause()
+        assert reach(vm, allowed, other_port) == {allowed: "open", other_port: "closed"}  # resumed: a new QEMU
+        vm.set_network("none")
+        assert reach(vm, allowed) == {allowed: "closed"}
+    with nclient.create("microvm", image="debian", pool=False, ttl_s=900) as vm:
+        assert reach(vm, allowed) == {allowed: "closed"}  # no policy: the NIC reaches nothing
+        vm.set_network([f"tcp://{allowed}"])
+        assert reach(vm, allowed, other_host) == {allowed: "open", other_host: "closed"}

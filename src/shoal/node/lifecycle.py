@@ -45,6 +45,8 @@ class LifecycleHost(Protocol):
 
     async def kill(self, sandbox_id: str, reason: str = ...) -> None: ...
 
+    async def resumed(self, sandbox: Sandbox) -> None: ...
+
 
 log = logging.getLogger("shoal.node")
 ON_TIMEOUT = ("kill", "pause")
@@ -114,6 +116,7 @@ class Lifecycle:
             if sandbox.state is not State.PAUSED:
                 return
             await self.service.substrates[sandbox.spec.kind].resume(sandbox.instance)
+            await self.service.resumed(sandbox)
             sandbox.state = State.READY
             sandbox.last_active = time.time()
             if sandbox.expires_at is None and sandbox.spec.ttl_s and sandbox.spec.on_timeout == "pause":

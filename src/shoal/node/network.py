@@ -1,5 +1,8 @@
 """Network policy per sandbox: a veth into the sandbox's network namespace, nftables rules on the host.
 
+VMs (microvm, vm) get the same: their NIC's tap is on a bridge in a network namespace QEMU owns, the veth's
+inner end joins that bridge, and the guest gives its NIC the sandbox's address (qemu/machine.py).
+
 `network="none"` (the default) costs nothing: the runtime's fresh namespace has only loopback. A sandbox
 given an allowlist (at create, at claim from a pool, or later with `set_network`) gets a veth pair: `eth0`
 inside with a /30 from the node's pool, the host end named `<prefix><slot>`. Everything of one node lives in
@@ -286,6 +289,7 @@ class Attachment:
     address: str
     gateway: str
     policy: Policy = field(default_factory=Policy)
+    bridged: bool = False  # a VM: the veth's inner end is on the bridge of its guest's NIC, not eth0 itself
 
     @property
     def chain(self) -> str:
@@ -363,9 +367,9 @@ table inet {self.table} {{
     async def cleanup_all(self) -> None:
         """Remove this node's table, resolver and any host links it left (startup after a crash, shutdown)."""
         await asyncio.gather(*self._releasing, return_exceptions=True)
-        await nft(f"delete table inet {self.table}", check=False)
-        for name in host_links(self.config.prefix):
+        for name in host_links(self.config.prefix):  # links first: none is left without its rules
             await run(["ip", "link", "delete", name], check=False)
+        await nft(f"delete table inet {self.table}", check=False)
         if self._resolver is not None:
             self._resolver.close()
             self._resolver = None
@@ -377,24 +381,35 @@ table inet {self.table} {{
     # ------------------------------------------------------------------ per sandbox
 
     async def apply(
-        self, sandbox_id: str, pid: int, directory: Path, policy: Policy, *, reattach: bool = False
+        self,
+        sandbox_id: str,
+        pid: int,
+        directory: Path,
+        policy: Policy,
+        *,
+        reattach: bool = False,
+        bridged: bool = False,
     ) -> Attachment | None:
         """Give the sandbox (agent `pid`) this policy, plumbing its veth on first use. Atomic per call;
         concurrent calls for one sandbox apply in turn. `reattach`: a sandbox re-adopted after a node restart
-        gets the slot recorded in its network.json again (so its address and resolver stay the same)."""
+        gets the slot recorded in its network.json again (so its address and resolver stay the same).
+        `bridged`: a VM (`pid` is its QEMU's): the veth's inner end joins the bridge `br0` its guest's NIC is
+        on in that namespace, and the guest gives itself the attachment's address (the node asks it to)."""  # fmt: skip
         lock = self._sandbox_locks.setdefault(sandbox_id, asyncio.Lock())
         async with lock:
-            return await self._apply(sandbox_id, pid, directory, policy, reattach)
+            return await self._apply(sandbox_id, pid, directory, policy, reattach, bridged)
 
     async def _apply(
-        self, sandbox_id: str, pid: int, directory: Path, policy: Policy, reattach: bool = False
-    ) -> Attachment | None:
+        self, sandbox_id: str, pid: int, directory: Path, policy: Policy, reattach: bool = False,
+        bridged: bool = False,
+    ) -> Attachment | None:  # fmt: skip
         attachment = self.attachments.get(sandbox_id)
         new = attachment is None
         if attachment is None:
             if policy.none:
                 return None
-            attachment = await self._attach(sandbox_id, pid, directory, recorded_slot(directory) if reattach else None)
+            slot = recorded_slot(directory) if reattach else None
+            attachment = await self._attach(sandbox_id, pid, directory, slot, bridged)
         body = "\n".join(f"    {line}" for line in policy.chain_body())
         script = f"table inet {self.table} {{\n  chain {attachment.chain} {{\n{body}\n  }}\n}}"
         if new:  # the chain, its rules and the jump to it appear in one transaction
@@ -410,7 +425,9 @@ table inet {self.table} {{
         attachment.policy = policy
         return attachment
 
-    async def _attach(self, sandbox_id: str, pid: int, directory: Path, wanted: int | None = None) -> Attachment:
+    async def _attach(
+        self, sandbox_id: str, pid: int, directory: Path, wanted: int | None = None, bridged: bool = False
+    ) -> Attachment:
         await self._ensure_ready()
         async with self._lock:
             candidates = range(1, self.slots + 1) if wanted is None else [wanted]
@@ -423,29 +440,48 @@ table inet {self.table} {{
             self._used_slots.add(slot)
         base = self.config.pool.network_address + 4 * slot
         gateway, address = str(base + 1), str(base + 2)
-        attachment = Attachment(sandbox_id, slot, f"{self.config.prefix}{slot:x}", address, gateway)
+        attachment = Attachment(sandbox_id, slot, f"{self.config.prefix}{slot:x}", address, gateway, bridged=bridged)
         (directory / "network.json").write_text(json.dumps({"slot": slot, "ifname": attachment.ifname}))
         try:  # until its chain exists the forward hook drops everything from the new link (fail closed)
-            await run(["ip", "-batch", "-"], stdin=(
-                f"link add {attachment.ifname} type veth peer name eth0 netns {pid}\n"
-                + (f"link set {attachment.ifname} addrgenmode none\n" if _host_links_get_ipv6() else "")
-                + f"addr add {gateway}/30 dev {attachment.ifname}\n"
-                f"link set {attachment.ifname} up\n"
-            ).encode())  # fmt: skip
-            await run(
-                ["nsenter", f"--net=/proc/{pid}/ns/net", "ip", "-batch", "-"],
-                stdin=(
-                    ("link set eth0 addrgenmode none\n" if _kernel_has_ipv6() else "")
-                    + f"addr add {address}/30 dev eth0\nlink set eth0 up\n"
-                    f"route add default via {gateway}\n"
-                ).encode(),
-            )
+            await self._plug(attachment, pid)
         except BaseException:
             await asyncio.shield(self._release(attachment))
             raise
         self.attachments[sandbox_id] = attachment
         self._by_address[address] = attachment
         return attachment
+
+    async def _plug(self, attachment: Attachment, pid: int) -> None:
+        """Make the veth pair: the host end with the gateway address, the other in the netns of `pid`."""
+        # A guest keeps its ARP cache across a new veth (resume, node restart): the host end's MAC must stay.
+        slot = attachment.slot
+        mac = f" address 02:5e:00:00:{slot >> 8:02x}:{slot & 255:02x}" if attachment.bridged else ""
+        await run(["ip", "-batch", "-"], stdin=(
+            f"link add {attachment.ifname}{mac} type veth peer name eth0 netns {pid}\n"
+            + (f"link set {attachment.ifname} addrgenmode none\n" if _host_links_get_ipv6() else "")
+            + f"addr add {attachment.gateway}/30 dev {attachment.ifname}\n"
+            f"link set {attachment.ifname} up\n"
+        ).encode())  # fmt: skip
+        ipv6_off = "link set eth0 addrgenmode none\n" if _kernel_has_ipv6() else ""
+        inside = (
+            f"{ipv6_off}link set eth0 master br0\nlink set eth0 up\n"
+            if attachment.bridged
+            else f"{ipv6_off}addr add {attachment.address}/30 dev eth0\nlink set eth0 up\n"
+            f"route add default via {attachment.gateway}\n"
+        )
+        await run(["nsenter", f"--net=/proc/{pid}/ns/net", "ip", "-batch", "-"], stdin=inside.encode())
+
+    async def replug(self, sandbox_id: str, pid: int) -> None:
+        """A VM resumed in a new QEMU (a new network namespace; the old veth died with the old one): plug its
+        veth again. Its rules are keyed by the host link's name, which stays, so they hold throughout."""
+        lock = self._sandbox_locks.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            attachment = self.attachments.get(sandbox_id)
+            if attachment is None:
+                return
+            if Path(f"/sys/class/net/{attachment.ifname}").exists():
+                await run(["ip", "link", "delete", attachment.ifname], check=False)
+            await self._plug(attachment, pid)
 
     async def detach(self, sandbox_id: str) -> None:
         """Forget the sandbox's plumbing. Its rules are deleted in the background (an nftables commit that

@@ -7,6 +7,10 @@ image, user and lifetime). A restarted node adopts a sandbox when that record is
 process still lives in its cgroup and (unless frozen) answers; its trajectory log continues where it was.
 Everything else is cleaned up and reported as lost.
 
+A VM's QEMU runs in a session of its own and outlives the node too: the restarted node reconnects to its
+QMP and agent chardev sockets (QemuSubstrate.readopt) and, if networked, plugs a new veth into the network
+namespace QEMU owns, on the bridge its NIC's tap is on (the guest keeps its address).
+
 A networked sandbox keeps its network namespace; the restarted node removes the old node's links and
 nftables table (so nothing stale stays open) and plumbs it again on its recorded slot (network.json, written
 before the link was made): same address and resolver, the policy re-resolved and applied before the node
@@ -29,11 +33,12 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from shoal import cgroups
+from shoal.errors import ShoalError
 from shoal.guest import AgentClient
 from shoal.node import network
 from shoal.node.sandbox import Sandbox, State
 from shoal.protocol import SandboxSpec, convert
-from shoal.substrates import Instance
+from shoal.substrates import Instance, Substrate
 
 if TYPE_CHECKING:
     from shoal.node.images import NodeImages
@@ -87,9 +92,10 @@ def frozen(cgroup_path: str) -> bool:
         return False
 
 
-async def adopt(directory: Path, node_images: NodeImages) -> Sandbox:
+async def adopt(directory: Path, node_images: NodeImages, substrate: Substrate) -> Sandbox:
     """Rebuild the node's record of a running sandbox from its state directory, or raise NotAdoptable.
 
+    The substrate takes over what of it lived in the dead node's process (a VM's QEMU connections).
     Its image layers are acquired again (the sandbox's overlay still holds the mounts of the dead node's
     namespace; acquiring keeps this node's reference counts right for when it is closed)."""
     try:
@@ -100,13 +106,8 @@ async def adopt(directory: Path, node_images: NodeImages) -> Sandbox:
     if node is None:
         raise NotAdoptable("the node stopped before the sandbox was ready (or it was a warm-pool member)")
     spec = convert(node["spec"], SandboxSpec)
-    cgroup_path = record["cgroup"]
+    cgroup_path = record.get("cgroup", "")
     facts: dict[str, Any] = node.get("instance") or node.get("extra") or {}  # "extra": records of older nodes
-    pid = facts.get("pid")  # the agent's host pid (not known under gVisor, whose agent answers or not)
-    if pid is not None and pid not in cgroups.procs(cgroup_path):
-        raise NotAdoptable(f"its agent (pid {pid}) no longer runs in cgroup {cgroup_path}")
-    if network.normalise(spec.network) and pid is None:
-        raise NotAdoptable("its network policy needs its agent's host pid to re-attach, which is not known")
     instance = Instance(
         id=record["id"],
         kind=record.get("kind", "container"),
@@ -114,11 +115,22 @@ async def adopt(directory: Path, node_images: NodeImages) -> Sandbox:
         agent_socket=Path(node.get("agent_socket") or directory / "agent.sock"),
         cgroup_path=cgroup_path,
         runtime=facts.get("runtime") or record.get("runtime", "crun"),
-        pid=pid,
+        pid=facts.get("pid"),  # the agent's host pid (not known under gVisor, whose agent answers or not)
         upper=facts.get("upper"),
     )
+    try:
+        paused = await substrate.readopt(instance)  # a VM: reconnect to its QEMU (which sets the pid)
+    except ShoalError as exc:
+        raise NotAdoptable(str(exc)) from None
+    screen = None if paused is None else substrate.screen(instance)  # a VM's display is QEMU's (QMP)
+    if paused is None:  # nothing of it lived in the node process: its agent runs in its cgroup, or not
+        if instance.pid is not None and instance.pid not in cgroups.procs(cgroup_path):
+            raise NotAdoptable(f"its agent (pid {instance.pid}) no longer runs in cgroup {cgroup_path}")
+        paused = frozen(cgroup_path)
+    if network.normalise(spec.network) and instance.pid is None:
+        raise NotAdoptable("its network policy needs its agent's host pid to re-attach, which is not known")
     agent = AgentClient(str(instance.agent_socket))
-    state = State.PAUSED if frozen(cgroup_path) else State.READY
+    state = State.PAUSED if paused else State.READY
     if state is State.READY:
         try:
             await asyncio.wait_for(agent.hello(), HELLO_TIMEOUT_S)
@@ -128,7 +140,9 @@ async def adopt(directory: Path, node_images: NodeImages) -> Sandbox:
         image = await node_images.acquire(await node_images.resolve(spec.image, spec.layers))
     except Exception as exc:
         raise NotAdoptable(f"its image {node['image']!r} cannot be used any more ({exc})") from None
-    sandbox = Sandbox(id=instance.id, spec=spec, image=image, instance=instance, agent=agent, state=state)
+    sandbox = Sandbox(
+        id=instance.id, spec=spec, image=image, instance=instance, agent=agent, state=state, screen=screen
+    )
     sandbox.created_at = node["created_at"]
     sandbox.expires_at = node["expires_at"]
     sandbox.uid, sandbox.gid = node["uid"], node["gid"]

@@ -195,8 +195,9 @@ class NodeService:
             try:
                 policy = await self._resolve_policy(sandbox.spec.network)
                 await self.network.apply(
-                    sandbox.id, sandbox.instance.pid, sandbox.instance.directory, policy, reattach=True
-                )
+                    sandbox.id, sandbox.instance.pid, sandbox.instance.directory, policy, reattach=True,
+                    bridged=self.substrates[sandbox.spec.kind].capabilities.guest_nic,
+                )  # fmt: skip
                 sandbox.resolv_written = True  # same slot: the resolver address in its resolv.conf holds
             except Exception as exc:
                 reason = f"lost: {NODE_RESTARTED}, and its network could not be re-attached: {exc}"
@@ -221,9 +222,9 @@ class NodeService:
             if directory.is_dir() and directory.name not in self.sandboxes:
                 try:
                     substrate = self._substrate_of(directory)
-                    if not substrate.capabilities.readopt:  # e.g. a VM: its agent bridge died with the node
+                    if not substrate.capabilities.readopt:
                         raise recovery.NotAdoptable(f"{substrate.kind} sandboxes are not re-adopted yet")
-                    sandbox = await recovery.adopt(directory, self.node_images)
+                    sandbox = await recovery.adopt(directory, self.node_images, substrate)
                 except recovery.NotAdoptable as exc:
                     reason = f"lost: {NODE_RESTARTED}, and could not re-adopt it: {exc}"
                 else:
@@ -538,8 +539,20 @@ class NodeService:
                 f"network policies need the sandbox's agent pid on the host, which {sandbox.spec.kind} sandboxes on "
                 f"runtime {sandbox.spec.runtime!r} do not have yet: use network='none' or runtime 'crun'/'runc'"
             )
-        attachment = await self.network.apply(sandbox.id, pid, sandbox.instance.directory, policy)
+        substrate = self.substrates[sandbox.spec.kind]
+        bridged = substrate.capabilities.guest_nic
+        attachment = await self.network.apply(sandbox.id, pid, sandbox.instance.directory, policy, bridged=bridged)
         if attachment is not None and not sandbox.resolv_written:
+            argv = substrate.guest_network_argv(attachment.address, attachment.gateway) if bridged else None
+            if argv is not None:  # a VM's guest gives its own NIC the address (the veth only reaches its bridge)
+                env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+                async with await sandbox.agent.exec(argv, env=env, merge_stderr=True) as process:
+                    output, _, status = await asyncio.wait_for(process.collect(), 60)
+                if status.exit_code != 0:
+                    raise network.NetworkError(
+                        f"the guest of {sandbox.id} could not configure its network interface "
+                        f"(exit {status.exit_code}): {output.decode(errors='replace').strip()[-400:]}"
+                    )
             await sandbox.agent.write_file("/etc/resolv.conf", f"nameserver {attachment.gateway}\n".encode())
             sandbox.resolv_written = True
         return {
@@ -548,6 +561,11 @@ class NodeService:
             "names": policy.names,
             "address": attachment.address if attachment else None,
         }
+
+    async def resumed(self, sandbox: Sandbox) -> None:
+        """After a resume: a VM resumed in a new QEMU, whose new network namespace needs its veth again."""
+        if self.substrates[sandbox.spec.kind].capabilities.guest_nic and sandbox.instance.pid is not None:
+            await self.network.replug(sandbox.id, sandbox.instance.pid)
 
     async def set_network(self, sandbox_id: str, network: str | list[str] | dict[str, bool]) -> dict[str, Any]:
         """Change a running sandbox's network policy; open connections to revoked destinations are cut."""

@@ -25,6 +25,9 @@ class Capabilities:
     image_commit: bool = False  # sb.snapshot(name): commit the sandbox's writes as an image layer
     disk_cap: bool = False  # disk_mb is enforced
     readopt: bool = False  # a restarted node re-adopts its live sandboxes (else they are reported lost)
+    # The network policy's veth goes into the netns of `Instance.pid` and is bridged to a guest's NIC there
+    # (VMs: the guest configures its own address, `guest_network_argv`); else the veth itself is eth0.
+    guest_nic: bool = False
 
     def names(self) -> list[str]:
         return [name for name, on in self.__dict__.items() if on]
@@ -41,6 +44,7 @@ class Instance:
     cgroup_path: str
     # Container-only facts, typed (they were an untyped `extra` dict): the OCI runtime that runs it, the
     # agent's host pid once known (None under gVisor), and the writable upper directory of its overlay.
+    # A VM's pid is its QEMU's (whose network namespace holds the guest NIC's bridge).
     runtime: str = ""
     pid: int | None = None
     upper: str | None = None
@@ -88,6 +92,16 @@ class Substrate(ABC):
 
     def reconcile(self) -> None:
         """After a restart: remove whatever this kind left behind outside sandbox directories."""
+        return None
+
+    async def readopt(self, instance: Instance) -> bool | None:
+        """A restarted node takes `instance` over (only if `capabilities.readopt`): reconnect to what still runs,
+        set `instance.pid`, and return whether it is paused; raise SandboxLostError (with why) if it cannot
+        be. None: the kind keeps nothing in the node process, so the node checks the agent's pid and cgroup."""
+        return None
+
+    def guest_network_argv(self, address: str, gateway: str) -> list[str] | None:
+        """(`capabilities.guest_nic`) A command the guest runs to give its NIC `address`/30 via `gateway`."""
         return None
 
     def screen(self, instance: Instance) -> Any:

@@ -28,7 +28,9 @@ from shoal.errors import ImageError
 from shoal.guest import agent_binary_path
 
 # Loaded in this order (dependencies are resolved from each module's own `depends=` list).
-MODULES = ["virtio_pci", "virtio_mmio", "virtio_blk", "virtio_console", "virtio_rng", "crc32c_generic", "ext4"]
+MODULES = [
+    "virtio_pci", "virtio_mmio", "virtio_blk", "virtio_console", "virtio_rng", "virtio_net", "crc32c_generic", "ext4",
+]  # fmt: skip
 
 INIT_SCRIPT = r"""#!/bin/busybox sh
 # shoal initramfs: load virtio modules, mount the VM's disk, hand over to the agent (microvm) or init (vm).
@@ -51,6 +53,7 @@ for d in /sys/class/virtio-ports/*; do [ "$(cat $d/name 2>/dev/null)" = shoal.ag
 [ -n "$port" ] || { echo "shoal-init: no virtio-serial port named shoal.agent"; poweroff -f; }
 mkdir -p /newroot/.shoal /newroot/dev /newroot/proc /newroot/sys /newroot/tmp
 mount -t tmpfs -o size=8m,mode=0755 shoal /newroot/.shoal && cp /agent /newroot/.shoal/agent
+cp /bin/busybox /newroot/.shoal/busybox  # the node configures the guest's network with its `ip` (network.py)
 mount --move /dev /newroot/dev; mount --move /proc /newroot/proc; mount --move /sys /newroot/sys
 mkdir -p /newroot/dev/pts /newroot/dev/shm
 mount -t devpts devpts /newroot/dev/pts; mount -t tmpfs -o mode=1777 shm /newroot/dev/shm
@@ -84,7 +87,25 @@ def ensure_kernel(cache: Path | None = None) -> tuple[Path, Path, str]:
         found = sorted(cache.glob("kernel-*/vmlinuz"))
         if found:
             kdir = found[-1].parent
-            return kdir / "vmlinuz", kdir / "modules", kdir.name.removeprefix("kernel-")
+            order = (kdir / "modules" / "order").read_text().split()
+            if set(MODULES) <= set(order):
+                return kdir / "vmlinuz", kdir / "modules", kdir.name.removeprefix("kernel-")
+            # a cache made before a module was added to MODULES: fetch the package again, add what is missing
+            # (files are added, never replaced, and the order is renamed into place: running nodes read it)
+            version = kdir.name.removeprefix("kernel-")
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                _apt(["apt-get", "download", "-q", f"linux-image-{version}"], tmp)
+                deb = next(Path(tmp).glob("linux-image-*.deb"))
+                subprocess.run(["dpkg-deb", "-x", str(deb), f"{tmp}/x"], check=True)
+                index = _module_index(Path(tmp, "x/lib/modules", version, "kernel"))
+                wanted = _with_dependencies(MODULES, index)
+                for name in wanted:
+                    if not (kdir / "modules" / f"{name}.ko").exists():
+                        shutil.copy2(index[name], kdir / "modules" / f".{name}.ko.tmp")
+                        os.replace(kdir / "modules" / f".{name}.ko.tmp", kdir / "modules" / f"{name}.ko")
+                (kdir / "modules" / ".order.tmp").write_text("\n".join(wanted) + "\n")
+                os.replace(kdir / "modules" / ".order.tmp", kdir / "modules" / "order")
+            return kdir / "vmlinuz", kdir / "modules", version
         if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
             raise ImageError("no guest kernel cached and apt-get/dpkg-deb are missing: run `make vm-kernel` on Debian")
         with tempfile.TemporaryDirectory(dir=cache) as tmp:

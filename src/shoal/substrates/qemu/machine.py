@@ -1,7 +1,14 @@
 """One QEMU process: its command line, its QMP control socket, save (migrate to a file) and restore.
 
 A machine's files live in its sandbox directory: `qmp.sock` (control), `serial.sock` (the agent's
-virtio-serial chardev), `console.log` (the guest's serial console), `qemu.log`, `qemu.pid`.
+virtio-serial chardev), `console.log` (the guest's serial console), `qemu.log`, `qemu.pid`, and
+`machine.json` (its config, so a restarted node can take over the running process: `Machine.adopt`).
+
+Network: every machine has one virtio-net NIC (templates too: a restored machine needs the same devices),
+backed by a tap in a network namespace of QEMU's own, where the tap is enslaved to a bridge `br0`. With
+no network policy that namespace has nothing else, so the NIC reaches nothing; a policy adds a veth into
+it exactly as for a container (node/network.py enslaves its end to `br0`), so containers and VMs share the
+same addresses, nftables rules and resolver. The namespace lives and dies with QEMU: nothing to clean up.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +29,12 @@ from shoal.errors import SandboxLostError
 from shoal.substrates.qemu import screen as screen_mod
 
 QEMU = settings.QEMU.get()
+GUEST_MAC = "52:54:00:5a:00:01"  # every guest's NIC: each is alone on its own bridge
+# Run in QEMU's new network namespace (`unshare --net`) before it execs QEMU: the tap its NIC uses, on a bridge.
+NETNS_SETUP = "\n".join([
+    "link add br0 type bridge", "tuntap add dev tap0 mode tap", "link set tap0 master br0", "link set tap0 up",
+    "link set br0 up", "",
+])  # fmt: skip
 
 
 class QmpError(SandboxLostError):
@@ -44,6 +58,7 @@ class MachineConfig:
     memory_file: str = ""
     memory_shared: bool = False
     screen: list[int] | None = None  # [width, height]: a VGA display and a USB tablet (qemu/screen.py)
+    nic: bool = True  # a virtio-net NIC on a tap in QEMU's own network namespace (see the module doc)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -113,8 +128,13 @@ class Machine:
             "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
             "-pidfile", str(self.directory / "qemu.pid"),
             *(screen_mod.device_args(c.machine, self.directory) if c.screen else []),
-            *c.extra_args,
         ]  # fmt: skip
+        if c.nic:
+            argv += [
+                "-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
+                "-device", f"virtio-net-{virtio},netdev=net0,id=nic0,mac={GUEST_MAC}",
+            ]  # fmt: skip
+        argv += c.extra_args
         if incoming is not None:
             argv += ["-incoming", "defer"]
         return argv
@@ -131,14 +151,33 @@ class Machine:
             (os.POSIX_SPAWN_DUP2, 1, 2),
         ]
         argv = self.argv(incoming)
-        try:
-            self.pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=actions, setsid=True)
-        except FileNotFoundError:
-            raise QmpError(f"{QEMU} not found: `apt-get install qemu-system-x86` (or set SHOAL_QEMU)") from None
+        if shutil.which(argv[0]) is None:
+            raise QmpError(f"{QEMU} not found: `apt-get install qemu-system-x86` (or set SHOAL_QEMU)")
+        if self.config.nic:  # same pid: unshare and sh exec, so QEMU is the process that owns the namespace
+            script = f"printf '{NETNS_SETUP}' | ip -batch - && exec \"$@\""
+            argv = ["unshare", "--net", "--", "sh", "-c", script, "shoal-netns", *argv]
+        (self.directory / "machine.json").write_text(json.dumps(self.config.to_json()))
+        self.pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=actions, setsid=True)
+        self._watch()
+        await self._connect(incoming)
+
+    async def adopt(self, pid: int) -> None:
+        """Take over QEMU process `pid` that an earlier node started (it is not our child: its exit is
+        seen through a pidfd and its status is unknown). Its QMP socket accepts the new connection."""
+        self.pid = pid
+        self._watch()
+        await self._connect(None)
+
+    def _watch(self) -> None:
+        assert self.pid is not None
         loop = asyncio.get_running_loop()
         self.exited = loop.create_future()
         self._pidfd = os.pidfd_open(self.pid)
         loop.add_reader(self._pidfd, self._on_exit)
+
+    async def _connect(self, incoming: Path | None) -> None:
+        assert self.exited is not None
+        loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
         while True:
             if self.exited.done():
@@ -252,6 +291,16 @@ class Machine:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
+    async def detach(self) -> None:
+        """Stop watching QEMU and drop the control connection, leaving the process as it is."""
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._qmp_writer is not None:
+            self._qmp_writer.close()
+            self._qmp_writer = self._qmp_reader = None
+
     def log_tail(self, limit: int = 1500) -> str:
         parts = []
         for path in (self.directory / "qemu.log", self.console_path):
@@ -262,13 +311,19 @@ class Machine:
         return " | ".join(parts) or "(no output)"
 
 
-def kill_recorded(directory: Path) -> None:
-    """Kill a QEMU recorded in `directory/qemu.pid` if it is still ours (its command line names the dir)."""
+def recorded_pid(directory: Path) -> int | None:
+    """The pid in `directory/qemu.pid` if that process still runs and is ours (its command line names the dir)."""
     try:
         pid = int((directory / "qemu.pid").read_text().strip())
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except (OSError, ValueError):
-        return
-    if f"shoal-{directory.name}".encode() in cmdline:
+        return None
+    return pid if f"shoal-{directory.name}\0".encode() in cmdline else None
+
+
+def kill_recorded(directory: Path) -> None:
+    """Kill a QEMU recorded in `directory/qemu.pid` if it is still ours."""
+    pid = recorded_pid(directory)
+    if pid is not None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

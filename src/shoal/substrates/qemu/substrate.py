@@ -42,7 +42,7 @@ from shoal.substrates.qemu import screen as screen_mod
 from shoal.substrates.qemu.bridge import AgentBridge
 from shoal.substrates.qemu.disk import base_disk, file_part, overlay
 from shoal.substrates.qemu.kernel import cache_dir, ensure_boot_files
-from shoal.substrates.qemu.machine import Machine, MachineConfig, kill_recorded
+from shoal.substrates.qemu.machine import Machine, MachineConfig, kill_recorded, recorded_pid
 
 log = logging.getLogger("shoal.vm")
 
@@ -68,8 +68,9 @@ class Running:
 class QemuSubstrate(Substrate):
     """Shared machinery; subclasses choose the machine type, kernel command line and base disk."""
 
-    # No disk cap (disk_mb) yet; no re-adoption: the agent bridge dies with the node process.
-    capabilities = Capabilities(pause=True, memory_snapshots=True)
+    # No disk cap (disk_mb) yet. Re-adoption: QEMU runs in its own session and outlives the node; the next
+    # node reconnects to its QMP and agent chardev sockets (readopt).
+    capabilities = Capabilities(pause=True, memory_snapshots=True, readopt=True, guest_nic=True)
     machine_type = "q35"
     boot_mode = "microvm"
 
@@ -139,7 +140,9 @@ class QemuSubstrate(Substrate):
             cgroup_path=f"/shoal-vm/{sandbox_id}",
         )
         directory.mkdir(parents=True)
-        (directory / "record.json").write_text(json.dumps({"id": sandbox_id, "kind": self.kind}))
+        (directory / "record.json").write_text(
+            json.dumps({"id": sandbox_id, "kind": self.kind, "cgroup": instance.cgroup_path})
+        )
         try:
             bridge = AgentBridge(instance.agent_socket)
             await bridge.start()
@@ -159,6 +162,7 @@ class QemuSubstrate(Substrate):
                 await self._boot(directory, config, bridge)
                 if config.screen:
                     await _start_console(AgentClient(str(instance.agent_socket)))
+            instance.pid = self._running[sandbox_id].machine.pid
         except BaseException:
             await asyncio.shield(self.destroy(instance))
             raise
@@ -281,6 +285,10 @@ class QemuSubstrate(Substrate):
         await asyncio.to_thread(_remove_dir, instance.directory)
 
     async def destroy_orphan(self, directory: Path) -> None:
+        running = self._running.pop(directory.name, None)  # taken over, then found unusable (a network)
+        if running is not None:
+            await running.bridge.close()
+            await running.machine.detach()
         await asyncio.to_thread(_remove_dir, directory)
 
     # ------------------------------------------------------------ pause / resume / snapshot
@@ -306,6 +314,53 @@ class QemuSubstrate(Substrate):
         await machine.wait_incoming()
         (instance.directory / "paused.mem").unlink()
         await running.bridge.attach(machine.serial_path)
+        instance.pid = machine.pid  # a new QEMU, in a new network namespace (the node plugs its network again)
+
+    async def readopt(self, instance: Instance) -> bool:
+        """Take over a VM an earlier node left: its QEMU (found by qemu.pid, checked by its command line) still
+        runs, or it was paused (paused.mem, no QEMU). Returns whether it is paused."""
+        directory = instance.directory
+        try:
+            config = MachineConfig.from_json(json.loads((directory / "machine.json").read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise SandboxLostError(f"its machine.json is unreadable ({exc})") from None
+        pid = recorded_pid(directory)
+        paused = pid is None and (directory / "paused.mem").exists()
+        if pid is None and not paused:
+            raise SandboxLostError("its QEMU process no longer runs")
+        machine = Machine(directory, config, directory / "disk.qcow2")
+        with contextlib.suppress(FileNotFoundError):
+            instance.agent_socket.unlink()  # the dead node's listening socket
+        bridge = AgentBridge(instance.agent_socket)
+        self._running[instance.id] = Running(machine=machine, bridge=bridge)
+        try:
+            await bridge.start()
+            if pid is not None:
+                await machine.adopt(pid)
+                await bridge.attach(machine.serial_path)
+        except BaseException as exc:
+            self._running.pop(instance.id, None)
+            await bridge.close()
+            await machine.detach()
+            if isinstance(exc, Exception):
+                raise SandboxLostError(f"its QEMU (pid {pid}) could not be taken over: {exc}") from None
+            raise
+        instance.pid = pid
+        return paused
+
+    def guest_network_argv(self, address: str, gateway: str) -> list[str]:
+        """A shell script for the guest: its one NIC (eth0, or what udev named it) gets `address`/30, a default
+        route via `gateway`, no IPv6. A microvm uses the busybox its initramfs put in /.shoal; a vm, its own."""
+        script = (
+            'PATH="$PATH:/usr/sbin:/sbin"; [ -x /.shoal/busybox ] && ip() { /.shoal/busybox ip "$@"; }\n'
+            'dev=""; for d in /sys/class/net/*; do [ "${d##*/}" = lo ] || dev=${d##*/}; done\n'
+            '[ -n "$dev" ] || { echo "the guest has no network interface" >&2; exit 1; }\n'
+            "echo 1 > /proc/sys/net/ipv6/conf/$dev/disable_ipv6 2>/dev/null\n"
+            f"ip addr flush dev $dev && ip addr add {address}/30 dev $dev && ip link set $dev up "
+            f"&& ip route replace default via {gateway}\n"
+        )
+        shell = ["/.shoal/busybox", "sh"] if self.boot_mode == "microvm" else ["/bin/sh"]
+        return [*shell, "-c", script]
 
     async def snapshot(self, instance: Instance, image_name: str) -> str:
         """Capture memory and disk of the running VM as a snapshot other creates can restore."""
