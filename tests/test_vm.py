@@ -194,21 +194,39 @@ def test_guest_that_never_becomes_ready() -> None:
     shutil.rmtree(home, ignore_errors=True)
 
 
-def test_node_crash_leaves_no_vm_behind() -> None:
+def test_crashed_node_readopts_its_vms() -> None:
+    """kill -9 of the node: its VMs' QEMUs run on (their own session) and the next node takes them over, a
+    running one with the same QEMU process and a paused one paused; one whose QEMU died meanwhile is lost
+    with the reason, and the dead node's snapshots are gone."""
     home = Path(tempfile.mkdtemp(prefix="shoal-crash-"))
     node = NodeProcess(home, f"shoal-test-crash-{os.getpid()}").start()
     try:
         with node.client() as c:
-            sb = c.create("microvm", image="busybox", pool=False)
+            sb = c.create("microvm", image="busybox", pool=False, ttl_s=900)
+            sb.files.write("/kept", "running")
+            paused = c.create("microvm", image="busybox", pool=False, ttl_s=900)
+            paused.files.write("/kept", "paused")
+            paused.pause()
+            victim = c.create("microvm", image="busybox", pool=False, ttl_s=900)
             snap = sb.snapshot()
             pid = _qemu_pids(home)[sb.id]
+            victim_pid = _qemu_pids(home)[victim.id]
         node.stop(signal.SIGKILL)
         assert Path(f"/proc/{pid}").exists()  # QEMU outlives a crashed node...
+        os.kill(victim_pid, signal.SIGKILL)  # ...unless it dies while no node watches it
         node.start()
-        with node.client() as c:  # ...until the next node reconciles
-            assert c.list() == []
+        with node.client() as c:  # ...and the next node takes it over
+            status = c.status()
+            assert sorted(status["adopted"]) == sorted([sb.id, paused.id])
+            assert list(status["lost"]) == [victim.id] and "QEMU process no longer runs" in status["lost"][victim.id]
+            again = c.get(sb.id)
+            assert again.files.read_text("/kept") == "running" and _qemu_pids(home)[sb.id] == pid
+            assert again.exec("echo $((6 * 7))").stdout == "42\n"
+            assert c.get(paused.id).info.state == "paused"
+            assert c.get(paused.id).files.read_text("/kept") == "paused"  # transparent resume
             with pytest.raises(shoal.NotFoundError):
                 c.create("microvm", snapshot=snap, pool=False)
+            assert c.close_all() == 2
         assert not no_leftovers(home, node.cgroup_parent)
     finally:
         node.stop()
