@@ -706,7 +706,7 @@ class NodeService:
         that look like death); otherwise the agent must answer a hello.
         """
         pid = sandbox.instance.pid
-        if pid:
+        if pid and not self.substrates[sandbox.spec.kind].capabilities.guest_nic:  # a VM's pid is its QEMU's
             try:
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
                 mine = f"{sandbox.instance.cgroup_path}\n" in Path(f"/proc/{pid}/cgroup").read_text()
