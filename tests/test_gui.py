@@ -205,3 +205,54 @@ def test_the_example_gui_rl_environment(client: shoal.Client) -> None:
         assert env.state() == {"value": 0, "saved": 0, "clicks": 1}
     finally:
         env.close()
+
+
+@pytest.fixture(scope="module")
+def view_cluster(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    """One node and a gateway, each with its HTTP port (LocalCluster), for the live view through both."""
+    from conftest import no_leftovers
+
+    from shoal.cluster.local import LocalCluster
+
+    lc = LocalCluster(tmp_path_factory.mktemp("view"), nodes=1, max_sandboxes=4, projects={"bob": {}}, prefix="tv")
+    try:
+        lc.add_gateway()
+        with shoal.Client(f"shoal://{lc.gateways[0].address}", token=lc.cluster_token) as c:
+            deadline = time.monotonic() + 60
+            while sum(n["healthy"] for n in c._run(c._async.call("cluster_status"))["nodes"].values()) < 1:
+                assert time.monotonic() < deadline, "the node did not come up"
+                time.sleep(0.1)
+        yield lc
+    finally:
+        lc.stop()
+    for node in lc.nodes:
+        assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
+def test_live_view_of_a_desktop_through_gateway_and_node(view_cluster, tmp_path) -> None:  # noqa: ANN001
+    """A desktop container's view: x11vnc (started at the first view) relayed through the gateway's HTTP and
+    the node's; chromium shows the xterm (white on the black root) in a canvas of the screen's size."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    gw, node = view_cluster.gateways[0], view_cluster.nodes[0]
+    bob = view_cluster.project_tokens["bob"]
+    with shoal.Client(f"shoal://{gw.address}", token=bob) as c:
+        sb = c.create("container", image="desktop", screen=(800, 600), pool=False, ttl_s=600)
+        try:
+            _wait(lambda: _pixel(sb.gui.screenshot(), 100, 100) != (0, 0, 0), what="the xterm to draw")
+            with shoal.Client(f"shoal://{node.address}", token=bob) as direct:
+                urls = [sb.view(), direct.get(sb.id).view()]
+            assert urls[0].startswith(f"http://{gw.http}/view/{sb.id}/5900.")
+            assert urls[1].startswith(f"http://{node.http}/view/{sb.id}/5900.")
+            driver = _chromium(str(tmp_path))
+            try:
+                for url in urls:
+                    driver.get(url)
+                    seen = WebDriverWait(driver, 120, 0.5).until(
+                        lambda d: (r := d.execute_script(_LIT_PIXELS)) and r[2] > 10000 and r, "the desktop's canvas"
+                    )
+                    assert seen[:2] == [800, 600]
+            finally:
+                driver.quit()
+        finally:
+            sb.close()

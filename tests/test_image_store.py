@@ -19,6 +19,7 @@ from shoal import linux
 from shoal.errors import ImageError, ImageNotFoundError
 from shoal.images import ImageStore, erofs, layout, tarfs
 from shoal.images.erofs import LayerMounts
+from shoal.images.store import ImageConfig
 
 BASE = [
     Entry("etc", "dir", mode=0o755),
@@ -369,3 +370,24 @@ def test_oci_layout_with_a_multi_platform_index(store: ImageStore, tmp_path: Pat
     (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [outer]}))
     with pytest.raises(ImageError, match="no linux/.* variant .*riscv64"):
         layout.import_archive(store, root, "foreign")
+
+
+def test_a_builtin_built_from_an_older_recipe_is_built_again(store: ImageStore) -> None:
+    """A host that built `desktop` before its package list grew gets the new one from `ensure` (make images)."""
+    built: list[str] = []
+
+    def builder(version: str):  # noqa: ANN202
+        def build(rootfs: Path) -> ImageConfig:
+            (rootfs / "version").write_text(version)
+            built.append(version)
+            return ImageConfig()
+
+        return build
+
+    store.register_builtin("thing", builder("1"), recipe="pkg-a")
+    first = store.ensure("thing")
+    assert store.ensure("thing").layer_ids == first.layer_ids and built == ["1"]  # same recipe: kept
+    store.register_builtin("thing", builder("2"), recipe="pkg-a pkg-b")
+    second = store.ensure("thing")
+    assert built == ["1", "2"] and second.layer_ids != first.layer_ids
+    assert store.ensure("thing").layer_ids == second.layer_ids and built == ["1", "2"]

@@ -160,6 +160,26 @@ class Gui:
             code, shifted = self._keycode(keysym)
             self._press([shift, code] if shifted else [code])
 
+    def vnc(self) -> dict:
+        """Start x11vnc on 127.0.0.1:5900 (once, at the first live view) and wait until it listens."""
+        import socket
+
+        if getattr(self, "vnc_proc", None) is None or self.vnc_proc.poll() is not None:
+            quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+            argv = ["x11vnc", "-display", ":0", "-rfbport", "5900", "-localhost", "-forever", "-shared", "-nopw"]
+            self.vnc_proc = subprocess.Popen([*argv, "-quiet"], **quiet)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", 5900), timeout=1).close()
+                return {"port": 5900}
+            except OSError:
+                if self.vnc_proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"x11vnc did not listen on 127.0.0.1:5900 (exit {self.vnc_proc.poll()})"
+                    ) from None
+                time.sleep(0.1)
+
     def cursor(self) -> dict:
         pointer = self.root.query_pointer()
         return {"x": pointer.root_x, "y": pointer.root_y}

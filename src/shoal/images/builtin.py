@@ -16,8 +16,9 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEBIAN_SUITE = settings.DEBIAN_SUITE.get()
 DEBIAN_PACKAGES = ["bash", "coreutils", "python3", "ca-certificates", "procps"]
 DEBIAN_DEV_PACKAGES = [*DEBIAN_PACKAGES, "gcc", "g++", "libc6-dev"]
-# Small on purpose (no window manager, no browser): Xvfb, a terminal, xdotool/xwd for hand-driving, and
-# python3-xlib for the in-sandbox GUI helper (XTest input, GetImage screenshots) the node talks to.
+# Small on purpose (no window manager, no browser): Xvfb, a terminal, xdotool/xwd for hand-driving,
+# python3-xlib for the in-sandbox GUI helper (XTest input, GetImage screenshots) the node talks to, and
+# x11vnc for the live view. Its recipe is recorded: a store holding an older desktop rebuilds it.
 DESKTOP_PACKAGES = [
     *DEBIAN_PACKAGES,
     "xvfb",
@@ -27,6 +28,7 @@ DESKTOP_PACKAGES = [
     "x11-utils",
     "x11-apps",
     "python3-xlib",
+    "x11vnc",  # the live view (shoal/view.py): VNC of the display on 127.0.0.1:5900, relayed by the node
 ]
 
 _SKELETON_DIRS = ["proc", "sys", "dev", "tmp", "etc", "root", "work", "run", "var/tmp", ".shoal"]
@@ -110,7 +112,7 @@ def register_builtins(store: ImageStore) -> ImageStore:
     store.register_builtin("busybox", build_busybox)
     store.register_builtin("debian", build_debian)
     store.register_builtin("debian-dev", build_debian_dev)
-    store.register_builtin("desktop", build_desktop)
+    store.register_builtin("desktop", build_desktop, recipe=" ".join([DEBIAN_SUITE, *DESKTOP_PACKAGES]))
     return store
 
 

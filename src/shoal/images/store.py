@@ -108,6 +108,13 @@ class LayerInfo:
 Builder = Callable[[Path], ImageConfig]
 
 
+RECIPE_LABEL = "org.shoal.builtin.recipe"  # the digest of the recipe a builtin image was built from
+
+
+def _digest(recipe: str) -> str:
+    return hashlib.sha256(recipe.encode()).hexdigest()[:16]
+
+
 def _hex(digest: str) -> str:
     algo, _, value = digest.partition(":")
     if algo != "sha256" or len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
@@ -132,12 +139,21 @@ class ImageStore:
         self.cache_dir = root / "cache"
         self.tmp_dir = root / "tmp"
         self._builtins: dict[str, Builder] = {}
+        self._recipes: dict[str, str] = {}
 
     # ---------------------------------------------------------------- names
 
-    def register_builtin(self, name: str, builder: Builder) -> None:
-        """Make `name` buildable on first use by `builder(rootfs_dir) -> ImageConfig`."""
+    def register_builtin(self, name: str, builder: Builder, recipe: str = "") -> None:
+        """Make `name` buildable on first use by `builder(rootfs_dir) -> ImageConfig`. With a `recipe` (what
+        the builder makes, e.g. its package list), an image built from another recipe is stale: `ensure` and
+        `build` make it again (a host that built it before the recipe changed gets the new one)."""
         self._builtins[name] = builder
+        if recipe:
+            self._recipes[name] = recipe
+
+    def _stale(self, name: str, image: Image) -> bool:
+        recipe = self._recipes.get(name)
+        return recipe is not None and image.config.labels.get(RECIPE_LABEL) != _digest(recipe)
 
     def names(self) -> list[str]:
         """Images present in the store, plus builtins that can be built on demand."""
@@ -183,7 +199,9 @@ class ImageStore:
     def ensure(self, name: str) -> Image:
         """Resolve `name`, building it first if it is a builtin that is not present yet."""
         try:
-            return self.get(name)
+            image = self.get(name)
+            if not self._stale(name, image):
+                return image
         except ImageNotFoundError:
             if name not in self._builtins:
                 raise
@@ -196,13 +214,17 @@ class ImageStore:
         with self._lock(f"build-{name}"), self.writing():
             if not force:
                 try:
-                    return self.get(name)
+                    image = self.get(name)
+                    if not self._stale(name, image):
+                        return image
                 except ImageError:
                     pass
             with self.staging() as staging:
                 rootfs = staging / "rootfs"
                 rootfs.mkdir()
                 config = self._builtins[name](rootfs)
+                if name in self._recipes:
+                    config.labels[RECIPE_LABEL] = _digest(self._recipes[name])
                 diff_id = self.add_layer_dir(rootfs, disposable=True)
             self.commit(name, [diff_id], config)
             return self.get(name)

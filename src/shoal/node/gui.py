@@ -128,6 +128,10 @@ class Screen:
                 return {"changed": False, "waited_s": time.monotonic() - start}
             await asyncio.sleep(interval)
 
+    async def start_vnc(self) -> None:
+        """Start the display's VNC server (x11vnc on 127.0.0.1:5900) for the live view, if not yet running."""
+        await self._call("vnc", {})
+
     async def close(self) -> None:
         await self.proc.close()
 

@@ -936,6 +936,8 @@ class NodeService:
         sandbox.last_active = time.time()  # traffic to its ports keeps a sandbox from its idle timeout
         if port == VNC_PORT and hasattr(sandbox.screen, "open_vnc"):
             return await sandbox.screen.open_vnc()  # a VM's screen: QEMU's own VNC server (shoal/view.py)
+        if port == VNC_PORT and hasattr(sandbox.screen, "start_vnc"):
+            await sandbox.screen.start_vnc()  # a desktop's x11vnc starts at its first view (no cost before)
         try:
             return await sandbox.agent.open_port(port)
         except ConnectionRefusedError as exc:
