@@ -258,3 +258,46 @@ def _admin(shoal_ray) -> str:  # noqa: ANN001
     import ray
 
     return ray.get(shoal_ray.controller().cluster_token_for_admin.remote())
+
+
+def test_e2b_port_follows_the_tls_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """E2B API keys are shoal tokens: a node's E2B port serves TLS with the node's certificate, and over plain
+    HTTP a key from a peer off loopback is refused (it was accepted in clear)."""
+    monkeypatch.setenv("SHOAL_E2B", "0.0.0.0:0")
+
+    def e2b_port(lc: LocalCluster) -> int:
+        path = lc.nodes[0].home / "node.e2b"
+        deadline = time.monotonic() + 60
+        while not path.exists():
+            assert time.monotonic() < deadline, "the node never served E2B"
+            time.sleep(0.05)
+        return int(path.read_text().strip().rpartition(":")[2])
+
+    def get(url: str, token: str, ctx: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+        request = urllib.request.Request(url, headers={"X-API-KEY": token})
+        try:
+            with urllib.request.urlopen(request, context=ctx, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    secure = LocalCluster(tmp_path / "tls", nodes=1, prefix="te", tls=True)
+    try:
+        port, token = e2b_port(secure), secure.project_tokens["default"]
+        ctx = ssl.create_default_context(cafile=str(secure.ca))
+        assert get(f"https://127.0.0.1:{port}/sandboxes", token, ctx) == (200, b"[]")
+        with pytest.raises((OSError, http.client.HTTPException)):  # plain HTTP to the TLS port gets no answer
+            get(f"http://127.0.0.1:{port}/sandboxes", token)
+    finally:
+        secure.stop()
+    address = _outward_address()
+    if address is None:
+        pytest.skip("this machine has no address but loopback: the refusal off loopback cannot be reached")
+    plain = LocalCluster(tmp_path / "plain", nodes=1, prefix="tq")
+    try:
+        port, token = e2b_port(plain), plain.project_tokens["default"]
+        status, body = get(f"http://{address}:{port}/sandboxes", token)
+        assert status == 401 and b"SHOAL_PLAINTEXT_TOKENS" in body, (status, body)
+        assert get(f"http://127.0.0.1:{port}/sandboxes", token) == (200, b"[]")  # loopback stays allowed
+    finally:
+        plain.stop()

@@ -776,9 +776,9 @@ async def serve(
 
         closers.append(await serve_gateway_http(gateway, http, addr_file and addr_file + ".http"))
     if e2b:  # E2B's API in this process, a client of this gateway (docs/E2B.md)
-        from shoal.e2b.server import default_target, start
+        from shoal.e2b.server import default_target, own_address, start
 
-        target = default_target(f"shoal://{bound[0]}:{bound[1]}")
+        target = default_target(own_address(bound[0], bound[1]))
         closers.append(await start(target, e2b, addr_file and addr_file + ".e2b"))
     if addr_file:
         write_address(addr_file, bound[0], bound[1])

@@ -47,7 +47,7 @@ class Backend:
         if client is not None:
             self._clients.move_to_end(key)
             return client
-        if self.target.address and self.target.address.startswith("shoal://") and not token:
+        if self.target.address and self.target.address.startswith(("shoal://", "shoals://")) and not token:
             raise AuthenticationError("no API key: set E2B_API_KEY to a shoal token")
         async with self._lock:
             client = self._clients.get(key)

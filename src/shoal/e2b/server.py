@@ -22,14 +22,14 @@ from aiohttp import web
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from e2b.envd.process.process_connect import ProcessASGIApplication
 
-from shoal import netguard
+from shoal import netguard, tls
 from shoal.config import parse_hostport, write_address
 from shoal.e2b import interpreter
 from shoal.e2b.api import ControlPlane, api_key, envd_error_response
 from shoal.e2b.asgi import call_asgi
 from shoal.e2b.backend import Backend, Target
 from shoal.e2b.envd import FilesystemService, Processes, ProcessService
-from shoal.errors import InvalidRequestError, NotFoundError
+from shoal.errors import AuthenticationError, InvalidRequestError, NotFoundError
 
 SHUTDOWN_GRACE_S = 5.0  # at a stop, how long requests still in flight may run on
 
@@ -65,6 +65,11 @@ class E2BServer:
         """A request whose key the target accepts lets its connection past netguard's first-request deadline;
         one without a key or with a refused one does not (the handler answers it as before)."""
         token = request.headers.get("X-Access-Token") or api_key(request)
+        if token and not request.secure:  # the same plaintext policy as every port (shoal/tls.py)
+            try:
+                tls.refuse_plaintext(request.remote or "", "E2B API")
+            except AuthenticationError as exc:
+                return web.json_response({"code": 401, "message": str(exc)}, status=401)
         try:
             await self.backend.client(token)
         except Exception:  # noqa: BLE001 - the handler makes the error response
@@ -162,7 +167,10 @@ async def start(target: Target, listen: str, addr_file: Any = None) -> Callable[
     await runner.setup()
     # through netguard like every other port: per-peer caps, and a connection that shows no accepted key
     # within SHOAL_AUTH_TIMEOUT_S is closed (aiohttp alone held an idle or slowly dripping one for ever)
-    listener = await netguard.serve_tcp(None, host, port, name="e2b", protocol_factory=runner.server)
+    # TLS with the node's or gateway's certificate (SHOAL_TLS_CERT/KEY), like their other ports: E2B API keys
+    # are shoal tokens
+    ssl = tls.server_context()
+    listener = await netguard.serve_tcp(None, host, port, name="e2b", protocol_factory=runner.server, ssl=ssl)
     bound = listener.sockets[0].getsockname()
     if addr_file:
         write_address(addr_file, bound[0], bound[1])
@@ -186,6 +194,15 @@ async def serve(target: Target, listen: str, addr_file: str | None = None) -> No
         await stop.wait()
     finally:
         await close()
+
+
+def own_address(host: str, port: int) -> str:
+    """The address an E2B server inside a node or gateway calls its host at: the port it bound, over TLS when
+    that port serves TLS (SHOAL_TLS_CERT; verified against SHOAL_TLS_CA, whose certificates always name the
+    loopback addresses), through loopback when it listens on every address."""
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    scheme = tls.SCHEME_TLS if tls.server_context() is not None else tls.SCHEME_PLAIN
+    return f"{scheme}[{local}]:{port}" if ":" in local else f"{scheme}{local}:{port}"
 
 
 def default_target(address: str) -> Target:
