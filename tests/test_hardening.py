@@ -540,3 +540,26 @@ def _tar_of(name: str, data: bytes) -> bytes:
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
     return out.getvalue()
+
+
+def test_device_nodes_mounts_and_kernel_facilities_under_every_runtime(any_runtime: shoal.Sandbox) -> None:
+    """mknod of the host's disk and memory, mounts (proc, tmpfs, a bind of /), kernel keyrings, io_uring,
+    userfaultfd, perf events and bpf: refused under crun and runc (seccomp, capabilities, device cgroup), and
+    under runsc answered by gVisor's own kernel (no host device is reached)."""
+    r = any_runtime.exec(
+        "for dev in 'sda b 8 0' 'mem c 1 1' 'kmsg c 1 11'; do set -- $dev;"
+        " mknod /tmp/$1 $2 $3 $4 2>/dev/null && head -c 64 /tmp/$1 2>/dev/null | od -An | grep -q . && echo READ $1;"
+        " done; mkdir -p /mnt/a /mnt/b /mnt/c; mount -t proc proc /mnt/a 2>/dev/null && echo MOUNTED proc;"
+        " mount -t tmpfs t /mnt/b 2>/dev/null && echo MOUNTED tmpfs;"
+        " mount --bind / /mnt/c 2>/dev/null && echo MOUNTED bind; true",
+        timeout=60,
+    )
+    assert "READ" not in r.stdout and "MOUNTED" not in r.stdout, r.stdout
+    out = probe(
+        any_runtime,
+        "print(json.dumps({'keyctl': sys(250, 0, 0, 0, 0, 0), 'add_key': sys(248, 0, 0, 0, 0, 0),"
+        " 'io_uring_setup': sys(425, 8, 0), 'userfaultfd': sys(323, 0), 'perf_event_open': sys(298, 0, 0, 0, 0, 0),"
+        " 'bpf': sys(321, 0, 0, 0)}))",
+    )  # fmt: skip
+    granted = {name: result for name, (result, _err) in out.items() if result != -1}
+    assert not granted, f"granted: {granted} ({out})"
