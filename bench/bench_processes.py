@@ -5,6 +5,7 @@
     4 spinners            busy loops left running: the default cap (SHOAL_DEFAULT_CPU=1) bounds their cores
     kill_processes        from the call until the sandbox lists nothing but its agent (pids exhausted)
     raw: runtime exec     `<runtime> exec <id> kill -9 -1`, the way without the agent: it needs a fork
+    host load             the load average when it ends: compare the idle and beside-the-bomb rows under it
 
 Run as root:  PYTHONPATH=src python bench/bench_processes.py [--n 20] [--runtime crun]
 It starts its own node (SHOAL_HOME=/tmp/shoal-bench-processes unless set) and stops it at the end.
@@ -100,6 +101,8 @@ def main() -> None:
             left = len(bombed.processes())
             bombed.kill_processes()
             print(f"fork bomb in a pids=64 {args.runtime} sandbox, left running by its exec")
+            load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+            print(f"  host load (1/5/15 min)         {load} on {os.cpu_count()} CPUs (others' work slows both rows)")
             print(f"  neighbour `true`, idle host    {stats(idle)}")
             print(f"  neighbour `true`, beside bomb  {stats(beside)}")
             median = sorted(cores)[len(cores) // 2]
