@@ -28,6 +28,7 @@ from shoal.e2b import interpreter
 from shoal.e2b.api import ControlPlane, api_key, envd_error_response
 from shoal.e2b.asgi import call_asgi
 from shoal.e2b.backend import Backend, Target
+from shoal.e2b.connect import serve_start
 from shoal.e2b.envd import FilesystemService, Processes, ProcessService
 from shoal.errors import AuthenticationError, InvalidRequestError, NotFoundError
 
@@ -54,8 +55,9 @@ class E2BServer:
         self.backend = Backend(target)
         self.processes = Processes()
         self.control = ControlPlane(self.backend)
+        self.process_service = ProcessService(self.backend, self.processes)
         self.rpc = {
-            "/process.Process/": ProcessASGIApplication(ProcessService(self.backend, self.processes)),
+            "/process.Process/": ProcessASGIApplication(self.process_service),
             "/filesystem.Filesystem/": FilesystemASGIApplication(FilesystemService(self.backend)),
         }
         self.interpreter = interpreter.Interpreter(self.backend)
@@ -87,6 +89,7 @@ class E2BServer:
                 web.get("/files", self.download),
                 web.post("/files", self.upload),
                 *self.interpreter.routes(),
+                web.post("/process.Process/Start", self.process_start),  # the hot path (connect.py)
                 web.post("/process.Process/{method}", self.connect_rpc),
                 web.post("/filesystem.Filesystem/{method}", self.connect_rpc),
             ]
@@ -101,6 +104,14 @@ class E2BServer:
     async def connect_rpc(self, request: web.Request) -> web.StreamResponse:
         prefix = request.path[: request.path.rindex("/") + 1]
         return await call_asgi(self.rpc[prefix], request)
+
+    async def process_start(self, request: web.Request) -> web.StreamResponse:
+        """`commands.run`: the SDK's one shape of request (Connect JSON, no compression) is served directly
+        (connect.py); any other goes through connectrpc like the rest."""
+        response = await serve_start(self.process_service, request)
+        if response is None:
+            return await call_asgi(self.rpc["/process.Process/"], request)
+        return response
 
     async def health(self, request: web.Request) -> web.Response:
         try:
