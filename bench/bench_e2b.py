@@ -46,27 +46,32 @@ def background(sb: shoal.Sandbox) -> None:
         pass
 
 
-def measure(rows: dict[str, object], count: int, server_pid: int) -> dict[str, float]:
+def measure(rows: dict[str, object], count: int, server_pid: int, node_pid: int) -> dict[str, float]:
     """Time each row's op `count` times, interleaved (row A, row B, row A, ...) so the drifting load of a
-    shared machine falls on every row alike; print p50/p99 and CPU-ms per op; return the p50s."""
+    shared machine falls on every row alike; print p50/p99 and CPU-ms per op (this client, the separate E2B
+    server, the node process: the in-node E2B row's layer cost shows in the node's); return the p50s."""
     for fn in rows.values():
         fn()  # warm up connections and caches
     times: dict[str, list[float]] = {name: [] for name in rows}
     cpu = dict.fromkeys(rows, 0.0)
     srv = dict.fromkeys(rows, 0.0)
+    node = dict.fromkeys(rows, 0.0)
     for _ in range(count):
         for name, fn in rows.items():
-            c0, s0, t = time.process_time(), cpu_seconds(server_pid), time.perf_counter()
+            c0, s0, n0 = time.process_time(), cpu_seconds(server_pid), cpu_seconds(node_pid)
+            t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
             cpu[name] += time.process_time() - c0
             srv[name] += cpu_seconds(server_pid) - s0
+            node[name] += cpu_seconds(node_pid) - n0
     p50s = {}
     for name, values in times.items():
         p50s[name] = statistics.median(values) * 1e3
         print(
-            f"  {name:<46} p50 {p50s[name]:8.2f} ms  p99 {pct(values, 0.99) * 1e3:8.2f} ms"
-            f"  client CPU {cpu[name] / count * 1e3:5.2f} ms  e2b server CPU {srv[name] / count * 1e3:5.2f} ms"
+            f"  {name:<46} p50 {p50s[name]:7.2f} ms  p99 {pct(values, 0.99) * 1e3:7.2f} ms  CPU-ms/op:"
+            f" client {cpu[name] / count * 1e3:5.2f}  e2b server {srv[name] / count * 1e3:5.2f}"
+            f"  node {node[name] / count * 1e3:5.2f}"
         )
     return p50s
 
@@ -107,6 +112,7 @@ def main() -> None:
                     },
                     args.runs,
                     pid,
+                    lc.nodes[0].pid,
                 )
             finally:
                 native.close()
@@ -131,7 +137,10 @@ def main() -> None:
                 s.kill()
 
             p50 = measure(
-                {"native  create/exec/close": native_cycle, "e2b     create/run/kill": e2b_cycle}, args.creates, pid
+                {"native  create/exec/close": native_cycle, "e2b     create/run/kill": e2b_cycle},
+                args.creates,
+                pid,
+                lc.nodes[0].pid,
             )
             extra = p50["e2b     create/run/kill"] - p50["native  create/exec/close"]
             print(f"  -> the E2B layer adds {extra:.2f} ms p50 per cycle")

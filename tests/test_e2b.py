@@ -101,6 +101,47 @@ def test_commands_foreground_env_cwd_exit(sbx: Sandbox) -> None:
     assert info.value.exit_code == 3 and info.value.stdout == "partial\n"
 
 
+@pytest.mark.parametrize("shape", ["json", "json-gzip", "binary"])
+def test_start_in_every_connect_shape(sbx: Sandbox, e2b_env: dict[str, str], shape: str) -> None:
+    """The SDK's own Start shape (Connect JSON, uncompressed) is served by e2b/connect.py; the others a Connect
+    client may send (gzip-compressed, the binary codec) by connectrpc. connectrpc's own client sees the same
+    events either way, and an unknown sandbox ends the stream with UNAVAILABLE (what the SDK maps to
+    SandboxNotRunningException)."""
+    from connectrpc.code import Code
+    from connectrpc.codec import proto_binary_codec, proto_json_codec
+    from connectrpc.compression.gzip import GzipCompression
+    from connectrpc.errors import ConnectError
+    from e2b.envd.process import process_connect, process_pb
+    from protobuf import Oneof
+
+    client = process_connect.ProcessClientSync(
+        e2b_env["E2B_SANDBOX_URL"],
+        codec=proto_binary_codec() if shape == "binary" else proto_json_codec(),
+        send_compression=GzipCompression() if shape == "json-gzip" else None,
+    )
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": e2b_env["E2B_API_KEY"]}
+    config = process_pb.ProcessConfig(cmd="/bin/sh", args=["-c", "echo out; echo err >&2; exit 4"])
+    kinds, out, err, end = [], b"", b"", None
+    for message in client.start(process_pb.StartRequest(process=config), headers=headers, timeout_ms=60_000):
+        event = message.event.event
+        kinds.append(event.field)
+        if event.field == "data":
+            match event.value.output:
+                case Oneof(field="stdout", value=chunk):
+                    out += chunk
+                case Oneof(field="stderr", value=chunk):
+                    err += chunk
+        elif event.field == "end":
+            end = event.value
+    assert kinds[0] == "start" and kinds[-1] == "end"
+    assert (out, err, end.exit_code, end.status) == (b"out\n", b"err\n", 4, "exit status 4")
+    with pytest.raises(ConnectError) as info:
+        node, _, key = sbx.sandbox_id.rpartition("-")
+        gone = f"{node}-{'0' * len(key)}"  # well formed, but no such sandbox
+        list(client.start(process_pb.StartRequest(process=config), headers={**headers, "E2b-Sandbox-Id": gone}))
+    assert info.value.code == Code.UNAVAILABLE
+
+
 def test_commands_streaming_callbacks(sbx: Sandbox) -> None:
     out: list[str] = []
     err: list[str] = []
