@@ -57,6 +57,7 @@ test-fast: venv
 
 bench: setup
 	$(PY) bench/bench_container.py
+	$(PY) bench/bench_hotpath.py
 	$(PY) bench/bench_images.py
 	$(PY) bench/bench_security.py --userns 100000
 	$(PY) bench/bench_function.py
