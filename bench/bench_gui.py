@@ -7,7 +7,7 @@
 (b) click -> changed pixels: click into the xterm, type a key, poll until the screen differs;
     raw: `xdotool key` timed in the sandbox; (c) input round trip: sb.gui.move vs `xdotool mousemove`;
 (d) desktop create: cold (Xvfb + xterm start) and claimed from a warm pool;
-(e) memory per idle desktop (its cgroup) and the node's share.
+(e) memory per idle desktop (its cgroup) and the node's share; (f) with --vm: a `vm` with a screen (QMP).
 CPU-ms per op is the node's CPU time (user+sys) over the row divided by its ops. The machine is shared:
 compare rows within one run.
 """
@@ -80,6 +80,32 @@ async def click_to_change(sb: shoal.AsyncSandbox, n: int) -> list[float]:
     return seconds
 
 
+async def vm_rows(client: shoal.AsyncClient, pid: int, n: int) -> None:
+    """A `vm` with a screen: screenshots and input through QMP (TCG here: no usable KVM)."""
+    t = time.perf_counter()
+    vm = await client.create("vm", image="debian", screen=(1280, 800), pool=False, ttl_s=1800)
+    print(
+        f"\n(f) vm with a screen, 1280x800 (QMP; first create incl. any template boot: {time.perf_counter() - t:.1f} s)"
+    )
+    try:
+        shots, cpu = await timed(n, pid, vm.gui.screenshot)
+        size = len((await vm.gui.screenshot()).png)
+        print(row(f"shoal vm.gui.screenshot() (QMP screendump, PNG {size >> 10} KiB)", shots, cpu))
+        moves, cpu = await timed(n, pid, lambda: vm.gui.move(300, 300))
+        print(row("shoal vm.gui.move() (QMP input-send-event)", moves, cpu))
+        keys, cpu = await timed(n, pid, lambda: vm.gui.key("a"))
+        print(row("shoal vm.gui.key('a') (press + release)", keys, cpu))
+        creates = []
+        for _ in range(3):
+            t = time.perf_counter()
+            one = await client.create("vm", image="debian", screen=(1280, 800), pool=False, ttl_s=600)
+            creates.append(time.perf_counter() - t)
+            await one.close()
+        print(row("vm with a screen: create (template restore)", creates))
+    finally:
+        await vm.close()
+
+
 async def main(args: argparse.Namespace) -> None:
     node = BenchNode("gui")
     n = 30 if args.quick else 100
@@ -131,6 +157,8 @@ async def main(args: argparse.Namespace) -> None:
             await client.set_pool("container", IMAGE, 0)
             await client.close_all(labels={"bench": "gui-claim"})
             print(row("create from a warm pool", claims))
+            if args.vm:
+                await vm_rows(client, pid, max(10, n // 3))
             print("\n(e) memory per idle desktop")
             before = rss_mb(pid)
             idle = await client.create_many(5, image=IMAGE, pool=False, labels={"bench": "gui-idle"}, ttl_s=600)
@@ -148,4 +176,5 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--vm", action="store_true", help="also a vm with a screen (QMP; boots a template first)")
     asyncio.run(main(parser.parse_args()))
