@@ -446,6 +446,34 @@ def test_port_scan_is_refused_quickly(nclient: shoal.Client, hosts: tuple[EchoHo
         assert time.monotonic() - start < 10, "refused destinations should fail fast, not time out"
 
 
+SYNS = """
+import socket, sys, time
+for _ in range(50):
+    s = socket.socket(); s.setblocking(False); s.connect_ex((sys.argv[1], 8080))
+time.sleep(1)
+"""
+
+
+def _rx_packets(host: EchoHost) -> int:
+    out = subprocess.run(["ip", "-n", host.name, "-s", "-j", "link", "show", "eth0"], capture_output=True, text=True)
+    return json.loads(out.stdout)[0]["stats64"]["rx"]["packets"]
+
+
+def _spoofing_is_dropped(vm: shoal.Sandbox, a: EchoHost, b: EchoHost) -> None:
+    """The guest's root takes another address (test host b's, so any reply stays on this machine) and sends
+    SYNs its policy allows: the node drops them, as they do not come from the sandbox's own address."""
+    ip = "/.shoal/busybox ip"
+    address = vm.exec(f"{ip} -4 -o addr show dev eth0").stdout.split()[3]
+    gateway = vm.exec(f"{ip} route show default").stdout.split()[2]
+    spoof = f"{ip} addr flush dev eth0 && {ip} addr add {b.address}/32 dev eth0 && {ip} route add {gateway} dev eth0"
+    assert vm.exec(f"{spoof} && {ip} route add default via {gateway}").exit_code == 0
+    before = _rx_packets(a)
+    vm.exec(["python3", "-c", SYNS, a.address], timeout=60)
+    assert _rx_packets(a) - before < 10  # not one SYN per try (50), nor their retransmissions
+    back = f"{ip} addr flush dev eth0 && {ip} addr add {address} dev eth0 && {ip} route add default via {gateway}"
+    assert vm.exec(back).exit_code == 0
+
+
 def test_microvm_gets_the_same_policy(nclient: shoal.Client, hosts: tuple[EchoHost, EchoHost]) -> None:
     """A microvm's NIC is bridged to the same veth + nftables plumbing as a container: allowlist, names, "none",
     "internet" and changes at runtime behave alike, and a pause/resume (a new QEMU) keeps the policy."""
@@ -455,6 +483,8 @@ def test_microvm_gets_the_same_policy(nclient: shoal.Client, hosts: tuple[EchoHo
     allowed, other_port, other_host = f"{a.address}:8080", f"{a.address}:9090", f"{b.address}:8080"
     with nclient.create("microvm", image="debian", pool=False, network=[f"tcp://{allowed}"], ttl_s=900) as vm:
         expect = {allowed: "open", other_port: "closed", other_host: "closed", f"{a.gateway}:22": "closed"}
+        assert reach(vm, *expect) == expect
+        _spoofing_is_dropped(vm, a, b)
         assert reach(vm, *expect) == expect
         vm.set_network("other")  # by name, through the node's resolver
         assert vm.exec("getent hosts mirror-b.test").stdout.split()[0] == b.address

@@ -13,6 +13,9 @@ never touch each other's rules, links or addresses):
               accepts the allowed destinations and rejects the rest (TCP reset, ICMP admin-prohibited);
               every packet is checked, so a revoked destination is cut even on an open connection
     input     a sandbox reaches the host only for DNS (redirected to the node's resolver)
+    both      a packet from a sandbox's link whose source is not that sandbox's address is dropped (a VM's
+              root, or a container given CAP_NET_ADMIN, could set any address on its NIC: the resolver
+              answers by source address, and replies must not reach another sandbox)
     nat       DNS to the gateway is redirected to the resolver; traffic leaving the host is masqueraded
 
 Private, shared, link-local (cloud metadata), loopback and multicast ranges are refused unless a rule
@@ -337,8 +340,10 @@ class NetworkManager:
                 f"""
 table inet {self.table} {{
   map egress {{ type ifname : verdict; }}
+  set sources {{ type ifname . ipv4_addr; }}
   chain forward {{
     type filter hook forward priority filter - 5; policy accept;
+    iifname "{p}*" iifname . ip saddr != @sources drop
     iifname vmap @egress
     iifname "{p}*" drop
     oifname "{p}*" ct state established,related accept
@@ -346,6 +351,7 @@ table inet {self.table} {{
   }}
   chain input {{
     type filter hook input priority filter - 5; policy accept;
+    iifname "{p}*" iifname . ip saddr != @sources drop
     iifname "{p}*" meta l4proto udp th dport {port} accept
     iifname "{p}*" ct state established,related accept
     iifname "{p}*" meta l4proto tcp reject with tcp reset
@@ -412,8 +418,9 @@ table inet {self.table} {{
             attachment = await self._attach(sandbox_id, pid, directory, slot, bridged)
         body = "\n".join(f"    {line}" for line in policy.chain_body())
         script = f"table inet {self.table} {{\n  chain {attachment.chain} {{\n{body}\n  }}\n}}"
-        if new:  # the chain, its rules and the jump to it appear in one transaction
+        if new:  # the chain, its rules, the jump to it and its one source address appear in one transaction
             script += f'\nadd element inet {self.table} egress {{ "{attachment.ifname}" : jump {attachment.chain} }}'
+            script += f'\nadd element inet {self.table} sources {{ "{attachment.ifname}" . {attachment.address} }}'
         else:
             script = f"flush chain inet {self.table} {attachment.chain}\n{script}"
         try:
@@ -496,11 +503,12 @@ table inet {self.table} {{
 
     async def _release(self, attachment: Attachment) -> None:
         element = f'delete element inet {self.table} egress {{ "{attachment.ifname}" }}'
+        source = f'delete element inet {self.table} sources {{ "{attachment.ifname}" . {attachment.address} }}'
         chain = f"delete chain inet {self.table} {attachment.chain}"
         try:
-            if self._ready and await nft(f"{element}\n{chain}", check=False) != 0:  # half made: one at a time
-                await nft(element, check=False)
-                await nft(chain, check=False)
+            if self._ready and await nft(f"{element}\n{source}\n{chain}", check=False) != 0:  # half made: in turn
+                for part in (element, source, chain):
+                    await nft(part, check=False)
             if Path(f"/sys/class/net/{attachment.ifname}").exists():
                 await run(["ip", "link", "delete", attachment.ifname], check=False)
         except Exception as exc:  # a background task: say so, cleanup_all removes the whole table later
