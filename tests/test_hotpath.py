@@ -1,0 +1,88 @@
+"""Hot-path pieces (issue 12): group commit of the trajectory log, removal of a sandbox's state directory."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import subprocess
+from pathlib import Path
+
+from shoal import linux
+from shoal.node.trajectory import TrajectoryLog
+
+
+async def test_concurrent_steps_share_one_fsync_and_are_all_in_the_log(tmp_path: Path) -> None:
+    log = TrajectoryLog(tmp_path / "trajectory.db", reserve_bytes=0)
+    try:
+        await log.append("warm", 0, "exec", "k", {}, {}, None, 0.0)
+        before = log.commits
+        # 16 sandboxes' intents and results at once: every row is written before any fsync starts, so one
+        # fsync covers the whole burst (an intent needs none)
+        await asyncio.gather(*(log.begin(f"s{i}", 0, "exec", "k", {}, 0.0) for i in range(16)))
+        assert log.commits == before
+        await asyncio.gather(*(log.append(f"s{i}", 0, "exec", "k", {}, {"exit": i}, None, 0.0) for i in range(16)))
+        assert log.commits == before + 1
+        assert [log.get(f"s{i}", 0).result for i in range(16)] == [{"exit": i} for i in range(16)]
+    finally:
+        log.close()
+    # what was acknowledged is in the file, read by another connection after the log closed
+    db = sqlite3.connect(tmp_path / "trajectory.db")
+    assert db.execute("SELECT COUNT(*) FROM steps WHERE error_type IS NULL").fetchone()[0] == 17
+    db.close()
+
+
+async def test_prune_forgets_ended_sandboxes_in_small_transactions(tmp_path: Path) -> None:
+    log = TrajectoryLog(tmp_path / "trajectory.db", reserve_bytes=0)
+    try:
+        for i in range(40):  # more than one transaction's worth
+            await log.open_sandbox(f"s{i}", None, "busybox", {})
+            await log.append(f"s{i}", 0, "exec", "k", {}, {}, None, 0.0)
+            if i % 2:
+                await log.close_sandbox(f"s{i}", "closed", "test")
+        await log.prune(closed_before=float("inf"))
+        assert [log.sandbox(f"s{i}") is not None for i in range(40)] == [i % 2 == 0 for i in range(40)]
+        assert log.next_seq("s1") == 0 and log.next_seq("s0") == 1
+    finally:
+        log.close()
+
+
+def test_remove_directory_known_entries_and_what_a_sandbox_wrote(tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    for sub in ("upper/.shoal", "work/work", "rootfs"):
+        (plain / sub).mkdir(parents=True)
+    (plain / "upper/.shoal/agent").touch()
+    (plain / "record.json").write_text("{}")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "kept").write_text("x")
+    os.symlink(elsewhere, plain / "link")  # removed as a link, never followed
+    linux.remove_directory(
+        str(plain), ("upper/.shoal", "upper", "work/work", "work", "rootfs"), ("upper/.shoal/agent",)
+    )
+    assert not plain.exists()
+    assert (elsewhere / "kept").exists()
+
+    wrote = tmp_path / "wrote"
+    (wrote / "upper/home/user/deep/er").mkdir(parents=True)
+    (wrote / "upper/home/user/deep/er/file").write_bytes(b"x" * 100)
+    (wrote / "config.json").write_text("{}")
+    linux.remove_directory(str(wrote), ("upper",))
+    assert not wrote.exists()
+    linux.remove_directory(str(tmp_path / "missing"))  # nothing there: nothing to do
+
+
+def test_remove_directory_stays_on_its_file_system(tmp_path: Path) -> None:
+    """A mount left inside (an unmount that failed) is not emptied through."""
+    outer, inner = tmp_path / "outer", tmp_path / "outer" / "rootfs"
+    inner.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(inner)], check=True)
+    try:
+        (inner / "kept").write_text("x")
+        (outer / "upper" / "x").mkdir(parents=True)
+        linux.remove_directory(str(outer), ("upper",))
+        assert (inner / "kept").exists()
+    finally:
+        subprocess.run(["umount", str(inner)], check=True)
+    linux.remove_directory(str(outer), ("rootfs",))
+    assert not outer.exists()
