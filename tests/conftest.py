@@ -22,6 +22,30 @@ IMAGES = settings.IMAGES_DIR.get() or Path("/var/lib/shoal/store")
 # the node's default (120 s) is for users: tests wait for the boot rather than fail on the machine's load.
 os.environ.setdefault(settings.VM_BOOT_TIMEOUT.name, "400")
 
+# Unix socket paths (agent, QMP, serial, node) live in node homes under tmp_path and may not exceed 108 bytes.
+# pytest's default base, /tmp/pytest-of-<user>/pytest-<N>/<test name, 30 chars>0/, leaves only a few bytes
+# of margin and loses them as N grows on a long-lived machine, which fails tests with "AF_UNIX path too
+# long" on one machine and not on another. A run without --basetemp gets a short base of its own instead.
+SHORT_TEMP_ROOT = Path("/tmp/shoal-t")
+KEEP_TEMP_RUNS = 3
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.option.basetemp is None:
+        SHORT_TEMP_ROOT.mkdir(mode=0o700, exist_ok=True)
+        _prune_old_runs(SHORT_TEMP_ROOT)
+        config.option.basetemp = str(SHORT_TEMP_ROOT / str(os.getpid()))
+
+
+def _prune_old_runs(root: Path) -> None:
+    """Keep the newest finished runs' temp dirs (as pytest does); never one of a live run or with a mount."""
+    mounted = Path("/proc/self/mountinfo").read_text()
+    finished = [d for d in root.iterdir() if d.is_dir() and not (d.name.isdigit() and Path(f"/proc/{d.name}").exists())]
+    finished.sort(key=lambda d: d.stat().st_mtime, reverse=True)
+    for old in finished[KEEP_TEMP_RUNS:]:
+        if f" {old}/" not in mounted and f" {old} " not in mounted:
+            subprocess.run(["rm", "-rf", "--one-file-system", str(old)], check=False)
+
 
 def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dict[str, list[str]]:
     """Everything sandboxes of the node at `home` could leave behind: mounts, cgroups, processes, dirs.
