@@ -170,13 +170,15 @@ _op("exec", SANDBOX, {"req": ExecRequest}, ExecResult, "Run a command; streams i
 _op("file_write", SANDBOX, {"sandbox_id": str, "path": str, "data": bytes, "mode": (int, 0o644),
                             "append": (bool, False), "seq": (SEQ, None)}, int, "Write a file.", step=True)
 _op("file_read", SANDBOX, {"sandbox_id": str, "path": str, "max_bytes": (int, 256 << 20), "seq": (SEQ, None),
-                           "stream": (bool, False)},
+                           "stream": (bool, False), "operator": (bool, False)},
     bytes | JSON, "Read a file; with stream, a file over 64 KiB comes as events (chunks) and the result is its "
-    "{bulk: digest, size}.", step=True, retry=True, streams=True)
+    "{bulk: digest, size}. operator: an operator's read (the console's download), not logged.", step=True,
+    retry=True, streams=True)
 _op("file_untar", SANDBOX, {"sandbox_id": str, "path": str, "data": bytes, "seq": (SEQ, None)}, int,
     "Unpack a tar stream into a directory (links in it never followed); the entries made.", step=True)
-_op("file_list", SANDBOX, {"sandbox_id": str, "path": str, "recursive": (bool, False), "seq": (SEQ, None)},
-    list[FileEntry], "List a directory.", step=True, retry=True)
+_op("file_list", SANDBOX, {"sandbox_id": str, "path": str, "recursive": (bool, False), "seq": (SEQ, None),
+                           "operator": (bool, False)},
+    list[FileEntry], "List a directory (operator: an operator's look, not logged).", step=True, retry=True)
 _op("file_stat", SANDBOX, {"sandbox_id": str, "path": str, "seq": (SEQ, None)}, FileEntry | None,
     "Describe a path (None if it does not exist).", step=True, retry=True)
 _op("file_mkdir", SANDBOX, {"sandbox_id": str, "path": str, "seq": (SEQ, None)}, None,
@@ -191,19 +193,21 @@ _op("shell_run", SANDBOX, {"shell_id": str, "cmd": str, "timeout": (float | None
 _op("shell_close", SANDBOX, {"shell_id": str}, None, "Close a persistent shell.", sandbox_arg="shell_id")
 _op("sandbox_snapshot", SANDBOX, {"sandbox_id": str, "name": str, "seq": (SEQ, None)}, JSON,
     "Commit a container's writes as image `name`.", step=True)
-_op("gui", SANDBOX, {"sandbox_id": str, "action": str, "args": (JSON | None, None), "seq": (SEQ, None)}, JSON,
+_op("gui", SANDBOX, {"sandbox_id": str, "action": str, "args": (JSON | None, None), "seq": (SEQ, None),
+                     "operator": (bool, False)}, JSON,
     "A GUI action on a sandbox's screen (screenshot, click, move, drag, scroll, type, key, cursor, "
-    "wait_for_change); NoScreenError without one.", step=True)
+    "wait_for_change); NoScreenError without one. operator: an operator's act (the console's), not logged.",
+    step=True)
 
 # ---------------------------------------------------------------- background processes and terminals (node/procs.py)
 _op("proc_start", SANDBOX, {"sandbox_id": str, "cmd": str | list[str], "env": (dict[str, str] | None, None),
                             "cwd": OPT_STR, "user": OPT_STR, "stdin": (bytes | None, None),
                             "merge_stderr": (bool, False), "pty": (dict[str, int] | None, None),
                             "output_cap_bytes": (int | None, None), "open_stdin": (bool, True),
-                            "seq": (SEQ, None)}, JSON,
+                            "seq": (SEQ, None), "operator": (bool, False)}, JSON,
     "Start a command in the background (on a terminal of pty {cols, rows}; stdin a pipe unless open_stdin is "
     "false); it outlives this call and the client, dies with the sandbox, keeps the last output_cap_bytes of "
-    "each stream; its {id, pid, pty}.",
+    "each stream; its {id, pid, pty}. operator: an operator's act (the console's terminal), not logged.",
     step=True)
 _op("proc_read", SANDBOX, {"sandbox_id": str, "id": int, "stdout_offset": (int, 0), "stderr_offset": (int, 0),
                            "follow": (bool, False), "timeout": (float | None, None),
@@ -213,11 +217,14 @@ _op("proc_read", SANDBOX, {"sandbox_id": str, "id": int, "stdout_offset": (int, 
     "signal).",
     streams=True, retry=True)
 _op("proc_input", SANDBOX, {"sandbox_id": str, "id": int, "data": (bytes, b""), "eof": (bool, False),
-                            "seq": (SEQ, None)}, JSON,
-    "Write to a background process's stdin (its terminal's input); eof closes it (a terminal gets ^D).",
+                            "seq": (SEQ, None), "operator": (bool, False)}, JSON,
+    "Write to a background process's stdin (its terminal's input); eof closes it (a terminal gets ^D); operator: "
+    "not logged.",
     step=True)
-_op("proc_signal", SANDBOX, {"sandbox_id": str, "id": int, "signal": (int, 15), "seq": (SEQ, None)}, JSON,
-    "Send a signal to a background process's group and every process it started.", step=True)
+_op("proc_signal", SANDBOX, {"sandbox_id": str, "id": int, "signal": (int, 15), "seq": (SEQ, None),
+                             "operator": (bool, False)}, JSON,
+    "Send a signal to a background process's group and every process it started; operator: not logged.",
+    step=True)
 _op("proc_resize", SANDBOX, {"sandbox_id": str, "id": int, "cols": int, "rows": int}, JSON,
     "Resize a background process's terminal (it gets SIGWINCH).")
 _op("proc_list", SANDBOX, {"sandbox_id": str}, list[JSON],

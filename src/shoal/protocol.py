@@ -85,6 +85,7 @@ class SandboxInfo(msgspec.Struct, kw_only=True):
     last_active_at: float = 0.0
     idle_timeout_s: float | None = None
     on_timeout: str = "kill"
+    network: str | list[str] | dict[str, bool] = "none"  # the policy now (set_network changes it)
 
 
 class ExecRequest(msgspec.Struct, kw_only=True, omit_defaults=True):

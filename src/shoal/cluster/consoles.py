@@ -64,7 +64,9 @@ class NodeConsole:
         if not secure:
             tls.refuse_plaintext(peer, f"node {self.server.service.settings.node_id} console")
 
-    async def call(self, viewer: Viewer, op: str, args: dict[str, Any]) -> Any:
+    async def call(
+        self, viewer: Viewer, op: str, args: dict[str, Any], on_event: Callable[[Any], None] | None = None
+    ) -> Any:
         bound = self.server.ops.get(op)
         if bound is None:  # a gateway's operation (cluster_status...): the node says so, as over TCP
             from shoal.errors import InvalidRequestError
@@ -77,8 +79,9 @@ class NodeConsole:
             kwargs = bound.arguments(checked)
             if bound.streams:
 
-                async def emit(_event: Any) -> None:
-                    return None
+                async def emit(event: Any) -> None:
+                    if on_event is not None:
+                        on_event(_builtins(event))
 
                 kwargs["emit"] = emit
             return await bound.method(**kwargs)
@@ -105,8 +108,14 @@ class GatewayConsole:
         if not secure:
             tls.refuse_plaintext(peer, f"gateway {self.gateway.name} console")
 
-    async def call(self, viewer: Viewer, op: str, args: dict[str, Any]) -> Any:
-        return _builtins(await self.gateway.dispatch(viewer.identity, op, args, lambda _event: None))
+    async def call(
+        self, viewer: Viewer, op: str, args: dict[str, Any], on_event: Callable[[Any], None] | None = None
+    ) -> Any:
+        def forward(event: Any) -> None:
+            if on_event is not None:
+                on_event(_builtins(event))
+
+        return _builtins(await self.gateway.dispatch(viewer.identity, op, args, forward))
 
     def figures(self) -> dict[str, Any]:
         gw = self.gateway

@@ -7,6 +7,7 @@ through its dispatch). Results come back as plain builtins (msgspec.to_builtins,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,8 +36,12 @@ class Backend(Protocol):
     def check_transport(self, peer: str, secure: bool) -> None:
         """Raise AuthenticationError when a token or session may not travel in clear from `peer`."""
 
-    async def call(self, viewer: Viewer, op: str, args: dict[str, Any]) -> Any:
-        """Run operation `op` for `viewer`; the result as builtins."""
+    async def call(
+        self, viewer: Viewer, op: str, args: dict[str, Any], on_event: Callable[[Any], None] | None = None
+    ) -> Any:
+        """Run operation `op` for `viewer`; the result as builtins. The events of a streaming operation
+        (`proc_read` with stream: the terminal's output as printed) go to `on_event` as builtins, in order,
+        before the result; without it they are dropped."""
 
     def figures(self) -> dict[str, Any]:
         """Figures from the metrics the host keeps: {"latency": {op: {"p50", "p99", "count"}},

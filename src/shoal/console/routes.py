@@ -2,8 +2,9 @@
 
 Every answer comes from operations of the table called through the `Backend` for the logged-in viewer, so
 a project's console shows and touches only what its token may (a sandbox of another project is "not
-found", as over TCP). Steps the console takes (the terminal's shell, file listings and downloads, a
-screenshot) are steps of the sandbox like any client's and appear in its trajectory log.
+found", as over TCP). What the console does to a sandbox (the terminal's keystrokes, file listings and
+downloads, a screenshot) is the operator's, not the agent's: it runs with operator=True, unlogged, so a
+trainer's step count on the same sandbox never moves (docs/CONSOLE.md).
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ from shoal.errors import (
 PREFIX = "/console"
 STATIC = Path(__file__).parent / "static"
 DOWNLOAD_MAX = 256 << 20  # the largest file a download reads (file_read's own cap)
-SHELL_TIMEOUT_S = 600.0  # one terminal command's limit
+PTY_CMD = "if command -v bash >/dev/null 2>&1; then exec bash -il; else exec sh -i; fi"  # as sb.pty() runs
+PTY_FOLLOW_S = 60.0  # one follow read of the terminal's output (then the next, from its offset)
+VNC_PORT = 5900  # a screen's VNC stream, as shoal/view.py opens it
+PTY_MAX = 1000  # the largest terminal side (columns or rows) a page may ask for
 STEPS_PAGE = 200
 HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' blob: data:; style-src 'self' 'unsafe-inline'; "
@@ -63,6 +67,17 @@ def _error(exc: BaseException) -> web.Response:
             status = code
             break
     return web.json_response({"error": kind, "message": message}, status=status, headers=HEADERS)
+
+
+def _size(cols: Any, rows: Any) -> tuple[int, int]:
+    """A terminal's size from a page: whole numbers in 1..PTY_MAX, 80x24 when not given."""
+    try:
+        size = (int(cols or 80), int(rows or 24))
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"a terminal's size is two whole numbers, not {cols!r} x {rows!r}") from None
+    if not all(0 < side <= PTY_MAX for side in size):
+        raise InvalidRequestError(f"a terminal of {size[0]} x {size[1]}: each side is 1 to {PTY_MAX}")
+    return size
 
 
 def mount(app: web.Application, backend: Backend) -> None:
@@ -96,8 +111,8 @@ def mount(app: web.Application, backend: Backend) -> None:
 
         return wrapped
 
-    async def call(viewer: Viewer, op: str, **args: Any) -> Any:
-        return await backend.call(viewer, op, args)
+    async def call(viewer: Viewer, op: str, on_event: Callable[[Any], None] | None = None, **args: Any) -> Any:
+        return await backend.call(viewer, op, args, on_event)
 
     # ------------------------------------------------------------------ page and login
 
@@ -198,10 +213,12 @@ def mount(app: web.Application, backend: Backend) -> None:
                 "expires_at": info["expires_at"],
             },
             "spec": views.spec_shown(spec),
-            "network": views.jsonable(spec.get("network", "none")),
+            "network": views.jsonable(info.get("network", spec.get("network", "none"))),  # now, after set_network
+            "network_at_create": views.jsonable(spec.get("network", "none")),
             "limits": {k: spec.get(k) for k in ("cpu", "memory_mb", "pids", "disk_mb")},
             "usage": used,
             "screen": spec.get("screen") or (info["image"] == "desktop" or None),
+            "live_view": info["kind"] == "vm" and bool(spec.get("screen")),  # QEMU's VNC (shoal/view.py)
             "processes": processes,
             "status": record.get("status"),
             "reason": record.get("reason"),
@@ -212,7 +229,7 @@ def mount(app: web.Application, backend: Backend) -> None:
 
     async def files(request: web.Request, viewer: Viewer) -> Any:
         path = request.query.get("path") or "/"
-        entries = await call(viewer, "file_list", sandbox_id=request.match_info["id"], path=path)
+        entries = await call(viewer, "file_list", sandbox_id=request.match_info["id"], path=path, operator=True)
         entries.sort(key=lambda e: (e["kind"] != "dir", e["name"]))
         return {"path": path, "entries": entries}
 
@@ -220,14 +237,24 @@ def mount(app: web.Application, backend: Backend) -> None:
         path = request.query.get("path")
         if not path:
             raise InvalidRequestError("give the file's path: ?path=/dir/file")
-        data = await call(viewer, "file_read", sandbox_id=request.match_info["id"], path=path, max_bytes=DOWNLOAD_MAX)
+        data = await call(
+            viewer, "file_read", sandbox_id=request.match_info["id"], path=path, max_bytes=DOWNLOAD_MAX, operator=True
+        )
         name = PurePosixPath(path).name.replace('"', "") or "file"
         headers = dict(HEADERS, **{"Content-Disposition": f'attachment; filename="{name}"'})
         return web.Response(body=data, content_type="application/octet-stream", headers=headers)
 
     async def screenshot(request: web.Request, viewer: Viewer) -> Any:
-        shot = await call(viewer, "gui", sandbox_id=request.match_info["id"], action="screenshot", args=None)
+        shot = await call(
+            viewer, "gui", sandbox_id=request.match_info["id"], action="screenshot", args=None, operator=True
+        )
         return web.Response(body=shot["png"], content_type="image/png", headers=HEADERS)
+
+    async def live_view(request: web.Request, viewer: Viewer) -> Any:
+        """Where the live view of a screen is (noVNC, shoal/view.py): the path of `expose(5900)` under /view/,
+        on this same host (a node's and a gateway's HTTP both serve it). The key in it opens that stream only."""
+        exposed = await call(viewer, "expose", sandbox_id=request.match_info["id"], port=VNC_PORT)
+        return {"path": exposed["path"].replace("/ports/", "/view/", 1)}
 
     # ------------------------------------------------------------------ trajectories
 
@@ -276,46 +303,88 @@ def mount(app: web.Application, backend: Backend) -> None:
 
     # ------------------------------------------------------------------ the terminal
 
-    async def shell(request: web.Request) -> web.StreamResponse:
-        """A websocket running one persistent shell (sb.shell()): each text message {"cmd"} runs in it and is
-        answered {"stdout", "stderr", "exit_code"}; the shell closes with the socket."""
+    async def terminal(request: web.Request) -> web.StreamResponse:
+        """A websocket on a terminal in the sandbox (a PTY kept by its agent, docs/PROCESSES.md): keystrokes
+        ({"input"}) go to proc_input, a window's size ({"resize": [cols, rows]}) to proc_resize, and what the
+        terminal prints comes back as binary messages, streamed by proc_read from the offset shown so far.
+        `?id=N` reattaches to terminal N if it still runs (a reloaded page); else a login shell starts. The
+        terminal outlives the socket (it ends with `exit` or with the sandbox). Its acts are the operator's,
+        not the agent's: they run unlogged (operator=True), so a trainer's step count never moves."""
         try:
             viewer = viewer_of(request)
             same_origin(request)
+            cols, rows = _size(request.query.get("cols"), request.query.get("rows"))
         except Exception as exc:
             return _error(exc)
         ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=1 << 20)
         await ws.prepare(request)
         sandbox_id = request.match_info["id"]
-        shell_id = None
+        pump = None
         try:
-            shell_id = await call(viewer, "shell_open", sandbox_id=sandbox_id)
-            await ws.send_json({"ready": shell_id})
+            proc_id, reattached = await _attach(viewer, sandbox_id, request.query.get("id"), cols, rows)
+            await ws.send_json({"attached": proc_id, "reattached": reattached})
+            pump = asyncio.ensure_future(_pump(viewer, sandbox_id, proc_id, ws))
             async for msg in ws:
                 if msg.type != WSMsgType.TEXT:
                     continue
-                cmd = str((json.loads(msg.data) or {}).get("cmd", ""))
-                try:
-                    r = await call(viewer, "shell_run", shell_id=shell_id, cmd=cmd, timeout=SHELL_TIMEOUT_S)
-                    answer = {"stdout": views.jsonable(r["stdout"]), "stderr": views.jsonable(r["stderr"]),
-                              "exit_code": r["exit_code"], "timed_out": r.get("timed_out", False)}  # fmt: skip
-                except ShoalError as exc:
-                    answer = {"error": f"{type(exc).__name__}: {exc}"}
-                await ws.send_json(answer)
-        except Exception as exc:  # the shell could not open (or the socket broke): say why, then close
+                order = json.loads(msg.data) or {}
+                if "input" in order:
+                    data = str(order["input"]).encode()
+                    await call(viewer, "proc_input", sandbox_id=sandbox_id, id=proc_id, data=data, operator=True)
+                elif "resize" in order:
+                    cols, rows = _size(*order["resize"])
+                    await call(viewer, "proc_resize", sandbox_id=sandbox_id, id=proc_id, cols=cols, rows=rows)
+        except Exception as exc:  # the terminal could not start (or ended under a keystroke): say why, then close
             if not ws.closed:
                 await ws.send_json({"error": f"{to_wire(exc)[0]}: {to_wire(exc)[1]}"})
         finally:
-            if shell_id is not None:
-                await asyncio.shield(_close_shell(viewer, shell_id))
+            if pump is not None:
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
             await ws.close()
         return ws
 
-    async def _close_shell(viewer: Viewer, shell_id: str) -> None:
+    async def _attach(viewer: Viewer, sandbox_id: str, wanted: str | None, cols: int, rows: int) -> tuple[int, bool]:
+        if wanted and wanted.isdigit():
+            for proc in await call(viewer, "proc_list", sandbox_id=sandbox_id):
+                if proc["id"] == int(wanted) and proc["pty"] and proc["running"]:
+                    await call(viewer, "proc_resize", sandbox_id=sandbox_id, id=proc["id"], cols=cols, rows=rows)
+                    return proc["id"], True
+        started = await call(viewer, "proc_start", sandbox_id=sandbox_id, cmd=PTY_CMD, pty={"cols": cols, "rows": rows},
+                             operator=True)  # fmt: skip
+        return started["id"], False
+
+    async def _pump(viewer: Viewer, sandbox_id: str, proc_id: int, ws: web.WebSocketResponse) -> None:
+        """The terminal's output to the socket, from offset 0 (a reattached page redraws what the terminal
+        keeps), one follow read after another, each streaming chunks as they are printed."""
+        chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+        async def send() -> None:
+            while (data := await chunks.get()) is not None:
+                await ws.send_bytes(data)
+
+        def on_event(event: Any) -> None:
+            data = event.get("data") if isinstance(event, dict) else None
+            if isinstance(data, bytes) and data:
+                chunks.put_nowait(data)
+
+        sender = asyncio.ensure_future(send())
+        offset = 0
         try:
-            await call(viewer, "shell_close", shell_id=shell_id)
-        except Exception as exc:  # the sandbox may be gone already
-            log.debug("console shell %s did not close: %s", shell_id, exc)
+            while not ws.closed:
+                answer = await call(viewer, "proc_read", on_event=on_event, sandbox_id=sandbox_id, id=proc_id,
+                                    stdout_offset=offset, follow=True, stream=True, timeout=PTY_FOLLOW_S)  # fmt: skip
+                if answer.get("stdout"):  # what the answer itself carries (not streamed)
+                    chunks.put_nowait(answer["stdout"])
+                offset = answer["stdout_offset"]
+                if not answer["running"]:
+                    chunks.put_nowait(None)
+                    await sender
+                    await ws.send_json({"exit": answer["exit_code"], "signal": answer["signal"]})
+                    await ws.close()
+                    return
+        finally:
+            sender.cancel()
 
     app.router.add_get(PREFIX, to_index)
     app.router.add_get(PREFIX + "/", index)
@@ -329,7 +398,8 @@ def mount(app: web.Application, backend: Backend) -> None:
     app.router.add_get(PREFIX + "/api/sandboxes/{id}/files", api(files))
     app.router.add_get(PREFIX + "/api/sandboxes/{id}/download", api(download))
     app.router.add_get(PREFIX + "/api/sandboxes/{id}/screenshot", api(screenshot))
-    app.router.add_get(PREFIX + "/api/sandboxes/{id}/shell", shell)
+    app.router.add_get(PREFIX + "/api/sandboxes/{id}/view", api(live_view))
+    app.router.add_get(PREFIX + "/api/sandboxes/{id}/terminal", terminal)
     app.router.add_get(PREFIX + "/api/trajectory", api(trajectory))
     app.router.add_get(PREFIX + "/api/trajectory/export", api(export))
     app.router.add_post(PREFIX + "/api/trajectory/replay", api(replay))

@@ -89,4 +89,5 @@ class Sandbox:
             last_active_at=self.last_active,
             idle_timeout_s=self.spec.idle_timeout_s or None,  # internal sandboxes (builds) leave it UNSET
             on_timeout=self.spec.on_timeout,
+            network=self.spec.network,
         )

@@ -765,8 +765,12 @@ class NodeService:
 
     # ---------------------------------------------------------------- exec
 
-    async def _step(self, sandbox: Sandbox, op: str, args: dict[str, Any], seq: int | None, run: Any) -> Any:
-        """Run one data-plane request as a step of the sandbox's trajectory (trajectory.Recorder)."""
+    async def _step(
+        self, sandbox: Sandbox, op: str, args: dict[str, Any], seq: int | None, run: Any, operator: bool = False
+    ) -> Any:
+        """Run one data-plane request as a step of the sandbox's trajectory (trajectory.Recorder). An operator's
+        act (`operator`: the console's terminal) runs unlogged: a person looking in is not the agent's
+        trajectory, and a logged keystroke would shift the sequence numbers a trainer counts (DivergenceError)."""
 
         async def awake_then_run() -> Any:
             await self.lifecycle.awake(sandbox)
@@ -774,6 +778,10 @@ class NodeService:
 
         sandbox.busy += 1
         try:
+            if operator:
+                if seq is not None:
+                    raise InvalidRequestError("an operator's act is not logged, so it takes no seq")
+                return await awake_then_run()
             if seq is not None and seq in sandbox.inflight:  # the logged original may be frozen
                 await self.lifecycle.awake(sandbox)
             return await self.recorder.step(sandbox, op, args, seq, awake_then_run)
@@ -1002,6 +1010,7 @@ class NodeService:
         output_cap_bytes: int | None = None,
         open_stdin: bool = True,
         seq: int | None = None,
+        operator: bool = False,
     ) -> dict[str, Any]:
         sandbox = self._get(sandbox_id)
         size = procs.terminal_size(pty)
@@ -1023,7 +1032,7 @@ class NodeService:
             sandbox.remember_exec(started["id"], command)
             return {**started, "command": command[:200]}
 
-        return await self._step(sandbox, "proc_start", args, seq, run)
+        return await self._step(sandbox, "proc_start", args, seq, run, operator)
 
     async def proc_read(
         self,
@@ -1048,7 +1057,9 @@ class NodeService:
             sandbox.busy -= follow
             sandbox.last_active = time.time()
 
-    async def _proc_control(self, op: str, sandbox_id: str, id: int, args: dict, frames: bytes, seq: int | None) -> Any:
+    async def _proc_control(
+        self, op: str, sandbox_id: str, id: int, args: dict, frames: bytes, seq: int | None, operator: bool = False
+    ) -> Any:
         sandbox = self._get(sandbox_id)
 
         async def run() -> dict[str, Any]:
@@ -1057,19 +1068,28 @@ class NodeService:
         if seq is None and op == "proc_resize":  # not a step: what a terminal shows is not the trajectory's
             await self._awake(sandbox)
             return await run()
-        return await self._step(sandbox, op, {"id": id, **args}, seq, run)
+        return await self._step(sandbox, op, {"id": id, **args}, seq, run, operator)
 
     async def proc_input(
-        self, sandbox_id: str, id: int, data: bytes = b"", eof: bool = False, seq: int | None = None
+        self,
+        sandbox_id: str,
+        id: int,
+        data: bytes = b"",
+        eof: bool = False,
+        seq: int | None = None,
+        operator: bool = False,
     ) -> dict[str, Any]:
         frames = procs.control_frames(stdin=data, eof=eof)
-        return await self._proc_control("proc_input", sandbox_id, id, {"data": data, "eof": eof}, frames, seq)
+        args = {"data": data, "eof": eof}
+        return await self._proc_control("proc_input", sandbox_id, id, args, frames, seq, operator)
 
-    async def proc_signal(self, sandbox_id: str, id: int, signal: int = 15, seq: int | None = None) -> dict[str, Any]:
+    async def proc_signal(
+        self, sandbox_id: str, id: int, signal: int = 15, seq: int | None = None, operator: bool = False
+    ) -> dict[str, Any]:
         if not 0 < signal < 65:
             raise InvalidRequestError(f"signal {signal} is not a signal number (1-64)")
         frames = procs.control_frames(signal=signal)
-        return await self._proc_control("proc_signal", sandbox_id, id, {"signal": signal}, frames, seq)
+        return await self._proc_control("proc_signal", sandbox_id, id, {"signal": signal}, frames, seq, operator)
 
     async def proc_resize(self, sandbox_id: str, id: int, cols: int, rows: int) -> dict[str, Any]:
         size = procs.terminal_size({"cols": cols, "rows": rows})
@@ -1085,8 +1105,10 @@ class NodeService:
         killed, left = await self._agent_call(sandbox_id, "kill_processes", exec_id)
         return {"killed": killed, "left": left}
 
-    async def _file_step(self, op: str, sandbox_id: str, seq: int | None, args: dict[str, Any], run: Any) -> Any:
-        return await self._step(self._get(sandbox_id), op, args, seq, run)
+    async def _file_step(
+        self, op: str, sandbox_id: str, seq: int | None, args: dict[str, Any], run: Any, operator: bool = False
+    ) -> Any:
+        return await self._step(self._get(sandbox_id), op, args, seq, run, operator)
 
     async def file_write(
         self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644, append: bool = False, seq: int | None = None
@@ -1126,6 +1148,7 @@ class NodeService:
         max_bytes: int = 256 << 20,
         seq: int | None = None,
         stream: bool = False,
+        operator: bool = False,
         emit: Emit | None = None,
     ) -> bytes | dict[str, Any]:
         """The file's bytes; with `stream` a file over steps.BULK_BYTES comes as events (chunks, never held
@@ -1137,7 +1160,8 @@ class NodeService:
             run = functools.partial(self._read_streamed, sandbox_id, target, max_bytes, emit)
         else:
             run = functools.partial(self._agent_call, sandbox_id, "read_file", target, max_bytes)
-        return await self._file_step("file_read", sandbox_id, seq, {"path": path, "max_bytes": max_bytes}, run)
+        args = {"path": path, "max_bytes": max_bytes}
+        return await self._file_step("file_read", sandbox_id, seq, args, run, operator)
 
     async def _read_streamed(self, sandbox_id: str, target: str, max_bytes: int, emit: Emit) -> bytes | dict:
         sandbox = await self._awake(self._get(sandbox_id))
@@ -1174,7 +1198,7 @@ class NodeService:
         return {"bulk": "blake2b:" + hasher.hexdigest(), "size": size}
 
     async def file_list(
-        self, sandbox_id: str, path: str, recursive: bool = False, seq: int | None = None
+        self, sandbox_id: str, path: str, recursive: bool = False, seq: int | None = None, operator: bool = False
     ) -> list[FileEntry]:
         if self.functions.owns(sandbox_id):
             return self.functions.file_list(sandbox_id, path, recursive)
@@ -1183,7 +1207,8 @@ class NodeService:
             entries = await self._agent_call(sandbox_id, "list_dir", _abs(path, self._get(sandbox_id)), recursive)
             return [_entry(e) for e in entries]
 
-        return await self._file_step("file_list", sandbox_id, seq, {"path": path, "recursive": recursive}, run)
+        args = {"path": path, "recursive": recursive}
+        return await self._file_step("file_list", sandbox_id, seq, args, run, operator)
 
     async def file_stat(self, sandbox_id: str, path: str, seq: int | None = None) -> FileEntry | None:
         if self.functions.owns(sandbox_id):
@@ -1439,7 +1464,12 @@ class NodeService:
         return await self.node_images.push(name, reference, auth, emit)
 
     async def gui(
-        self, sandbox_id: str, action: str, args: dict[str, Any] | None = None, seq: int | None = None
+        self,
+        sandbox_id: str,
+        action: str,
+        args: dict[str, Any] | None = None,
+        seq: int | None = None,
+        operator: bool = False,
     ) -> dict[str, Any]:
         """One GUI action on the sandbox's screen (node/gui.py); a logged step like exec."""
         if self.functions.owns(sandbox_id):
@@ -1450,7 +1480,7 @@ class NodeService:
         if sandbox.screen is None:
             raise gui.no_screen(sandbox_id, sandbox.spec.kind)
         run = functools.partial(sandbox.screen.act, action, dict(args or {}))
-        return await self._step(sandbox, "gui", {"action": action, "args": args}, seq, run)
+        return await self._step(sandbox, "gui", {"action": action, "args": args}, seq, run, operator)
 
     async def sandbox_snapshot(self, sandbox_id: str, name: str, seq: int | None = None) -> dict[str, Any]:
         """Commit the sandbox's writes as a new image `name` (its image plus one layer); a logged step."""

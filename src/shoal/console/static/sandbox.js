@@ -1,5 +1,6 @@
-// One sandbox: what it is, its limits and network policy, its processes, its trajectory steps, a terminal
-// (a persistent shell over a websocket), a file browser with downloads, and its screen if it has one.
+// One sandbox: what it is, its limits and network policy (now, and at create if it changed), its processes,
+// its trajectory steps, a terminal (a PTY over a websocket, terminal.js), a file browser with downloads, and
+// its screen if it has one (a screenshot on demand; a VM's live view, noVNC, in a frame).
 import { h, api, duration, kvTable, labels } from "./util.js";
 import { stepTable } from "./steps.js";
 import { terminal } from "./terminal.js";
@@ -21,6 +22,17 @@ export async function sandboxPage({ show, onLeave }, id) {
     img.addEventListener("error", () => screen.replaceChildren(h("p", { class: "error" }, "no screenshot (a sandbox without a screen, or it failed)")));
     screen.replaceChildren(img);
   } }, "Take a screenshot");
+  // the live view (noVNC, shoal/view.py) of a screen that has one: served by this same host under /view/
+  const live = h("button", { type: "button", id: "open-live-view", onclick: async () => {
+    try {
+      const view = await api(`sandboxes/${enc}/view`);
+      screen.replaceChildren(
+        h("p", {}, h("a", { id: "live-view-link", href: view.path, target: "_blank", rel: "noopener" }, "open the live view in its own tab")),
+        h("iframe", { id: "live-view", src: view.path, title: "live view", class: "live-view" }));
+    } catch (error) {
+      screen.replaceChildren(h("p", { class: "error" }, error.message));
+    }
+  } }, "Live view");
   show(
     h("h1", {}, `Sandbox ${id}`),
     kvTable({ kind: info.kind, image: info.image, state: info.state, owner: info.owner, project: info.project,
@@ -37,11 +49,13 @@ export async function sandboxPage({ show, onLeave }, id) {
       "disk limit": data.limits.disk_mb ? `${data.limits.disk_mb} MiB` : "none",
     })),
     h("h2", {}, "Network policy"),
-    kvTable({ network: data.network }),
+    h("div", { id: "network" }, kvTable(JSON.stringify(data.network) === JSON.stringify(data.network_at_create)
+      ? { "now (as created)": JSON.stringify(data.network) }
+      : { now: JSON.stringify(data.network), "at create": JSON.stringify(data.network_at_create) })),
     h("h2", {}, "Processes"), procs,
     h("h2", {}, "Terminal"), term,
     h("h2", {}, "Files"), files,
-    h("h2", {}, "Screen"), data.screen ? h("div", {}, shot, screen) : h("p", { class: "muted" }, "no screen (create with image=\"desktop\" or screen=(w, h))"),
+    h("h2", {}, "Screen"), data.screen ? h("div", {}, shot, data.live_view ? live : null, screen) : h("p", { class: "muted" }, "no screen (create with image=\"desktop\" or screen=(w, h))"),
     h("h2", {}, "Trajectory ", h("a", { href: `#/trajectory/${enc}` }, "(all steps, export)")),
     data.log_note ? h("p", { class: "muted" }, data.log_note) : stepTable(data.steps),
     h("h2", {}, "Spec at create"), h("pre", {}, JSON.stringify(data.spec, null, 2)));
