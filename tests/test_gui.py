@@ -256,3 +256,29 @@ def test_live_view_of_a_desktop_through_gateway_and_node(view_cluster, tmp_path)
                 driver.quit()
         finally:
             sb.close()
+
+
+def test_fork_of_a_vm_with_a_screen(client: shoal.Client) -> None:
+    """Copies of a VM with a screen show the same screen at first and differ after different input."""
+    if "vm" not in client.kinds():
+        pytest.skip("QEMU is not installed on this node")
+    with client.create("vm", image="debian", screen=(800, 600), pool=False, ttl_s=900) as vm:
+        vm.gui.type("echo parent\n")
+        console = lambda: vm.exec("cat /dev/vcs1").stdout.split("echo parent", 1)[-1].rstrip()  # noqa: E731
+        _wait(lambda: "parent" in console() and console().endswith("#"), what="the echo and the next prompt")
+        kids = vm.fork(count=2)
+        try:
+            assert all(isinstance(k, shoal.Sandbox) for k in kids), kids
+            assert [k.gui.screenshot().size for k in kids] == [(800, 600), (800, 600)]  # type: ignore[union-attr]
+            same = lambda: len({_png_pixels(k.gui.screenshot().png) for k in kids}) == 1  # type: ignore[union-attr]  # noqa: E731
+            _wait(same, what="the copies to show the same screen")
+            kids[0].gui.type("echo first copy\n")  # type: ignore[union-attr]
+            kids[1].gui.type("echo second\n")  # type: ignore[union-attr]
+            for kid, text in zip(kids, ["first copy", "second"], strict=True):
+                _wait(lambda k=kid, t=text: f"echo {t}" in k.exec("cat /dev/vcs1").stdout, what=text)
+            shots = [k.gui.screenshot() for k in kids]  # type: ignore[union-attr]
+            assert _png_pixels(shots[0].png) != _png_pixels(shots[1].png)
+        finally:
+            for k in kids:
+                if isinstance(k, shoal.Sandbox):
+                    k.close()

@@ -113,6 +113,7 @@ class QemuSubstrate(Substrate):
         if screen is not None:
             screen_mod.device_args(machine)  # refuses a machine without PCI
             cmdline += f" vga={screen_mod.vga_mode(*screen):#x}"  # the framebuffer console at that size
+            cmdline += " vt.global_cursor_default=0"  # no blinking cursor: a still screen stays the same picture
         return MachineConfig(
             machine=machine,
             accel=accel.name,
