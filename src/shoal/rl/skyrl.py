@@ -22,6 +22,7 @@ from typing import Any
 from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput, ConversationType
 from skyrl_gym.envs.registration import register, registry
 
+from shoal.client import ExecResult
 from shoal.rl.episode import Episode, shared_client
 
 _BASH = re.compile(r"<bash>(.*?)</bash>", re.S)
@@ -54,15 +55,22 @@ class ShoalTextEnv(BaseTextEnv):
             self.episode = self._runner.run(self._open())
         return prompt, {"sandbox_id": self.episode.sandbox.id if self.episode.sandbox else None}
 
-    def _reward(self) -> float:
+    async def _score(self) -> float:
         command = self.config.get("reward_command")
         if not command or self.episode is None:
             return 0.0
-        result = self._runner.run(self.episode.exec(command, timeout=self.config.get("timeout", 60.0)))
+        result = await self.episode.exec(command, timeout=self.config.get("timeout", 60.0))
         try:
             return float(result.stdout.strip())
         except ValueError:
             return 1.0 if result.exit_code == 0 else 0.0
+
+    async def _act(self, command: str, done: bool) -> tuple[ExecResult, float]:
+        """The action and, on the last turn, the reward: one hand-over to the loop thread, not two (each is a
+        wake-up of this env's thread and of the loop thread, which on a busy machine waits for a core)."""
+        assert self.episode is not None
+        result = await self.episode.exec(command, timeout=self.config.get("timeout", 60.0))
+        return result, (await self._score() if done else 0.0)
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
         if self.episode is None:
@@ -70,13 +78,15 @@ class ShoalTextEnv(BaseTextEnv):
         self.turns += 1
         blocks = _BASH.findall(action)
         if not blocks:
-            return BaseTextEnvStepOutput(observations=[], reward=self._reward(), done=True, metadata={})
-        result = self._runner.run(self.episode.exec(blocks[-1], timeout=self.config.get("timeout", 60.0)))
+            return BaseTextEnvStepOutput(
+                observations=[], reward=self._runner.run(self._score()), done=True, metadata={}
+            )
         done = self.turns >= self.max_turns
+        result, reward = self._runner.run(self._act(blocks[-1], done))
         text = result.stdout + result.stderr + ("" if result.exit_code == 0 else f"\n[exit code {result.exit_code}]")
         return BaseTextEnvStepOutput(
             observations=[{"role": "user", "content": text}],
-            reward=self._reward() if done else 0.0,
+            reward=reward,
             done=done,
             metadata={"exit_code": result.exit_code, "timed_out": result.timed_out},
             postprocessed_action=action,
