@@ -5,6 +5,7 @@ gateway over two nodes (docs/E2B.md)."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import subprocess
 import sys
@@ -299,6 +300,19 @@ def test_lifecycle_timeout_info_list_pause_connect(sbx: Sandbox, e2b_env: dict[s
     with pytest.raises(SandboxNotRunningException):
         other.files.read("/work/state")
     assert other.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
+
+
+def test_get_metrics_from_usage(sbx: Sandbox) -> None:
+    """get_metrics() is one sample now from the sandbox's cgroup (shoal's usage operation)."""
+    sbx.commands.run("i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done")
+    (metric,) = sbx.get_metrics()
+    assert metric.cpu_count == 1 and metric.mem_total == 512 << 20
+    assert metric.mem_used > 0 and 0 < metric.cpu_used_pct <= 100
+    assert abs(metric.timestamp.timestamp() - time.time()) < 600
+    assert Sandbox.get_metrics(sbx.sandbox_id, end=datetime.datetime.fromtimestamp(time.time() - 3600)) == []
+    sbx.kill()
+    with pytest.raises(SandboxException):  # NotFound for a sandbox that is gone
+        sbx.get_metrics()
 
 
 def test_auth_projects_and_templates(sbx: Sandbox, cluster, e2b_env: dict[str, str]) -> None:

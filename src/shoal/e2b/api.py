@@ -9,6 +9,7 @@
 | POST /sandboxes/{id}/timeout, /refreshes | `keepalive(ttl_s)`                                     |
 | POST /sandboxes/{id}/pause               | `pause()` (409 if already paused)                      |
 | POST /v2/sandboxes/{id}/connect, /resume | `resume()` if paused, then `keepalive(ttl_s)`          |
+| GET /sandboxes/{id}/metrics              | `usage()`: one sample, now (see `metrics`)             |
 | GET /templates                           | the images the node or gateway can start               |
 
 Errors are E2B's `{"code", "message"}` bodies with the status codes the SDK maps to its exceptions
@@ -40,6 +41,7 @@ from shoal.errors import (
 
 ENVD_VERSION = "0.5.7"  # the envd features this layer answers (see docs/E2B.md); newer ones stay off in the SDK
 DEFAULT_TIMEOUT_S = 300
+NOMINAL_CPUS, NOMINAL_MEMORY_MB = 1, 512  # what get_info and get_metrics report (a sandbox has no fixed size)
 _STATUS = [
     (AuthenticationError, 401),
     (QuotaExceededError, 429),
@@ -105,6 +107,7 @@ class ControlPlane:
             web.post("/v2/sandboxes/{id}/connect", wrap(self.connect)),
             web.post("/sandboxes/{id}/connect", wrap(self.connect)),
             web.post("/sandboxes/{id}/resume", wrap(self.connect)),
+            web.get("/sandboxes/{id}/metrics", wrap(self.metrics)),
             web.get("/templates", wrap(self.templates)),
         ]
 
@@ -151,8 +154,8 @@ class ControlPlane:
             "startedAt": _iso(info.created_at),
             "endAt": _iso(info.expires_at if info.expires_at else info.created_at + 365 * 86400),
             "envdVersion": ENVD_VERSION,
-            "cpuCount": 1,
-            "memoryMB": 512,
+            "cpuCount": NOMINAL_CPUS,
+            "memoryMB": NOMINAL_MEMORY_MB,
             "diskSizeMB": 0,
             "state": _state(info),
             "metadata": _metadata(info.labels),
@@ -186,6 +189,35 @@ class ControlPlane:
         self.backend.remember(key, AsyncSandbox(client, sandbox.info))
         domain = await self._domain(client, sandbox.id)
         return web.json_response(self._sandbox_json(sandbox.info, key, domain), status=201)
+
+    async def metrics(self, request: web.Request, key: str | None) -> web.Response:
+        """`get_metrics()`: shoal keeps no history, so the answer is one sample taken now from the sandbox's
+        cgroup (`usage`; a paused sandbox is not resumed): memory charged, and CPU as the average since the
+        sandbox started (cumulative CPU seconds over its age), against the nominal 1 CPU / 512 MiB that
+        `get_info` reports. A `start`/`end` window that excludes now gets an empty list."""
+        sandbox = await self.backend.sandbox(key, request.match_info["id"])
+        usage = await sandbox.usage()
+        now = time.time()
+        start, end = request.query.get("start"), request.query.get("end")
+        try:
+            if (start and int(start) > now) or (end and int(end) < int(now)):
+                return web.json_response([])
+        except ValueError:
+            raise InvalidRequestError("start and end are Unix times in seconds") from None
+        age = max(now - sandbox.info.created_at, 1e-3)
+        cpu_pct = 100.0 * (usage.get("cpu_s") or 0.0) / age / NOMINAL_CPUS
+        sample = {
+            "timestamp": _iso(now),
+            "timestampUnix": int(now),
+            "cpuCount": NOMINAL_CPUS,
+            "cpuUsedPct": round(min(cpu_pct, 100.0 * NOMINAL_CPUS), 2),
+            "memUsed": int(usage.get("memory_bytes") or 0),
+            "memTotal": NOMINAL_MEMORY_MB << 20,
+            "memCache": 0,
+            "diskUsed": 0,
+            "diskTotal": 0,
+        }
+        return web.json_response([sample])
 
     async def list(self, request: web.Request, key: str | None) -> web.Response:
         wanted = dict(urllib.parse.parse_qsl(request.query.get("metadata", "")))
