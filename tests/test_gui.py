@@ -262,14 +262,14 @@ def test_fork_of_a_vm_with_a_screen(client: shoal.Client) -> None:
     """Copies of a VM with a screen show the same screen at first and differ after different input."""
     if "vm" not in client.kinds():
         pytest.skip("QEMU is not installed on this node")
-    with client.create("vm", image="debian", screen=(800, 600), pool=False, ttl_s=900) as vm:
+    with client.create("vm", image="debian", screen=(1024, 768), pool=False, ttl_s=900) as vm:
         vm.gui.type("echo parent\n")
         console = lambda: vm.exec("cat /dev/vcs1").stdout.split("echo parent", 1)[-1].rstrip()  # noqa: E731
         _wait(lambda: "parent" in console() and console().endswith("#"), what="the echo and the next prompt")
         kids = vm.fork(count=2)
         try:
             assert all(isinstance(k, shoal.Sandbox) for k in kids), kids
-            assert [k.gui.screenshot().size for k in kids] == [(800, 600), (800, 600)]  # type: ignore[union-attr]
+            assert [k.gui.screenshot().size for k in kids] == [(1024, 768), (1024, 768)]  # type: ignore[union-attr]
             same = lambda: len({_png_pixels(k.gui.screenshot().png) for k in kids}) == 1  # type: ignore[union-attr]  # noqa: E731
             _wait(same, what="the copies to show the same screen")
             kids[0].gui.type("echo first copy\n")  # type: ignore[union-attr]
