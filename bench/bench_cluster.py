@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,21 +23,14 @@ from shoal.cluster import placement
 from shoal.cluster.local import LocalCluster
 from shoal.cluster.placement import NodeView
 
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cpu_seconds, pct  # noqa: E402
 
 
 def line(name: str, seconds: list[float], wall: float | None = None) -> str:
     p50, p99 = statistics.median(seconds) * 1e3, pct(seconds, 0.99) * 1e3
     rate = f"{len(seconds) / wall:8.1f}/s" if wall else " " * 10
     return f"  {name:<46} p50 {p50:8.3f} ms   p99 {p99:8.3f} ms  {rate}  (n={len(seconds)})"
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def timed(coro_factory, count: int, concurrency: int) -> tuple[list[float], float, list]:  # noqa: ANN001

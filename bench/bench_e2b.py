@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,17 +27,10 @@ import shoal
 from shoal.cluster.local import LocalCluster
 from shoal.e2b.local import LocalE2B
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cpu_seconds, pct  # noqa: E402
+
 SDK_ARGV = ["/bin/bash", "-l", "-c", "true"]  # what e2b's commands.run("true") asks envd to start
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def background(sb: shoal.Sandbox) -> None:

@@ -19,21 +19,15 @@ import asyncio
 import os
 import pty
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import shoal
 
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cpu_seconds, pct  # noqa: E402
 
 
 async def measure(rows: dict[str, Callable[[], Awaitable[None]]], count: int, node_pid: int) -> None:

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -24,15 +25,8 @@ from typing import Any
 import shoal
 from shoal.cluster.local import LocalCluster
 
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import cpu_seconds, pct  # noqa: E402
 
 
 async def measure(name: str, n: int, gateway_pid: int | None, op: Callable[[int], Awaitable[Any]]) -> None:
