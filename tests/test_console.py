@@ -406,6 +406,36 @@ def test_a_desktop_sandbox_shows_its_screen(cluster: LocalCluster, alice: shoal.
         assert browser.js("return document.getElementById('screenshot').naturalHeight") == 600
 
 
+_LIT_PIXELS = """const c = document.querySelector('#screen canvas');
+if (!c || c.width < 2) return null;
+const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+let lit = 0; for (let i = 0; i < d.length; i += 4) if (d[i] + d[i + 1] + d[i + 2] > 150) lit++;
+return [c.width, c.height, lit];"""
+
+
+def test_a_vm_screen_shows_its_live_view_in_the_page(
+    cluster: LocalCluster, alice: shoal.Client, browser: Browser
+) -> None:
+    """A VM with a screen: the sandbox page frames its live view (noVNC, shoal/view.py) served by the same
+    gateway, and the frame's canvas shows the VM's console at the screen's size."""
+    if "vm" not in alice.kinds():
+        pytest.skip("QEMU is not installed on this node")
+    base = _bases(cluster)["gateway"]
+    with alice.create("vm", image="debian", screen=(1024, 768), pool=False, ttl_s=900) as vm:
+        vm.gui.type("echo the live view shows this line\n")
+        browser.login(base, cluster.project_tokens["alice"])
+        browser.driver.get(f"{base}/console/#/sandbox/{vm.id}")
+        browser.click("#open-live-view")
+        assert f"/view/{vm.id}/5900." in (browser.attribute("#live-view-link", "href") or "")
+        browser.driver.switch_to.frame(browser.css("#live-view"))
+        try:
+            seen = browser.until(lambda d: (r := d.execute_script(_LIT_PIXELS)) and r[2] > 200 and r,
+                                 "the VM's screen in the live view's canvas")  # fmt: skip
+            assert seen[:2] == [1024, 768]
+        finally:
+            browser.driver.switch_to.default_content()
+
+
 def test_the_list_page_loads_in_time_with_many_sandboxes(
     cluster: LocalCluster, alice: shoal.Client, browser: Browser
 ) -> None:
