@@ -307,8 +307,13 @@ def _lines(browser: Browser) -> list[str]:
 
 
 def _terminal_ready(browser: Browser) -> str:
-    """The terminal's ID once the page is attached to it."""
-    browser.until(lambda d: d.find_element("id", "terminal").get_attribute("data-ready") == "1", "the terminal")
+    """The terminal's ID once the page is attached to it (a timeout says what the terminal showed)."""
+    from selenium.common.exceptions import TimeoutException
+
+    try:
+        browser.until(lambda d: d.find_element("id", "terminal").get_attribute("data-ready") == "1", "the terminal")
+    except TimeoutException:
+        raise AssertionError(f"the terminal did not attach; it shows: {_lines(browser)}") from None
     return browser.attribute("#terminal", "data-terminal") or ""
 
 
@@ -325,6 +330,16 @@ def test_the_terminal_is_a_pty_full_screen_resized_and_reattached(
         browser.click("#terminal")
         ActionChains(browser.driver).send_keys(text).perform()
 
+    def shows(condition: Callable[[list[str]], Any], what: str) -> Any:
+        """Wait until the terminal's rows satisfy `condition`; a timeout says what the terminal showed."""
+        from selenium.common.exceptions import TimeoutException
+
+        try:
+            return browser.until(lambda _d: condition(_lines(browser)), what)
+        except TimeoutException:
+            state = browser.js("const t = document.getElementById('terminal'); return t && {...t.dataset}")
+            raise AssertionError(f"waited for {what}; the terminal ({state}) shows: {_lines(browser)}") from None
+
     base = _bases(cluster)["gateway"]
     with alice.create("container", image="debian", pool=False, ttl_s=900, trajectory="console-pty") as sb:
         sb.exec("echo logged")
@@ -337,29 +352,29 @@ def test_the_terminal_is_a_pty_full_screen_resized_and_reattached(
         assert "tcp://192.0.2.7:80" in network and '"none"' in network, network
         terminal = _terminal_ready(browser)
         typed("X=$((6*7)); echo hi" + Keys.ENTER)
-        browser.until(lambda _d: "hi" in _lines(browser), "'hi' printed in the terminal")
+        shows(lambda rows: "hi" in rows, "'hi' printed in the terminal")
         # a full-screen program: top draws its screen from the first row (cursor addressing, not lines)
-        typed("top -d 1" + Keys.ENTER)
-        browser.until(lambda _d: (rows := _lines(browser)) and rows[0].startswith("top - ") and
-                      any(row.startswith("Tasks:") for row in rows), "top's full screen")  # fmt: skip
+        typed("top -d 1 -n 60" + Keys.ENTER)  # ends by itself within the wait should a 'q' be flushed by it
+        shows(lambda rows: rows and rows[0].startswith("top - ") and any(row.startswith("Tasks:") for row in rows),
+              "top's full screen")  # fmt: skip
         typed("q")
         typed("echo back-$((X+1))" + Keys.ENTER)
-        browser.until(lambda _d: "back-43" in _lines(browser), "the shell after top")
+        shows(lambda rows: "back-43" in rows, "the shell after top")
         # the window's size reaches the terminal: stty size answers what the page fitted, before and after
         first = browser.attribute("#terminal", "data-size")
         typed("echo size-1; stty size" + Keys.ENTER)
-        browser.until(lambda _d: _after(_lines(browser), "size-1") == first, f"stty size answering {first}")
+        shows(lambda rows: _after(rows, "size-1") == first, f"stty size answering {first}")
         browser.driver.set_window_size(900, 640)
         browser.until(lambda d: d.find_element("id", "terminal").get_attribute("data-size") != first, "a refit")
         second = browser.attribute("#terminal", "data-size")
         typed("echo size-2; stty size" + Keys.ENTER)
-        browser.until(lambda _d: _after(_lines(browser), "size-2") == second, f"stty size answering {second}")
+        shows(lambda rows: _after(rows, "size-2") == second, f"stty size answering {second}")
         # a reloaded page reattaches to the same terminal: its shell still holds X
         browser.driver.refresh()
         assert _terminal_ready(browser) == terminal
         assert browser.attribute("#terminal", "data-reattached") == "1"
         typed("echo again-$X" + Keys.ENTER)
-        browser.until(lambda _d: "again-42" in _lines(browser), "the same shell after a reload")
+        shows(lambda rows: "again-42" in rows, "the same shell after a reload")
         assert len(sb.log()) == logged  # the console's terminal is the operator's: no steps
         running = [p for p in sb.processes(background=True) if p["running"] and p["pty"]]
         assert [p["id"] for p in running] == [int(terminal)]  # one terminal, not one per page load
