@@ -357,7 +357,8 @@ def test_the_terminal_is_a_pty_full_screen_resized_and_reattached(
         typed("top -d 1 -n 60" + Keys.ENTER)  # ends by itself within the wait should a 'q' be flushed by it
         shows(lambda rows: rows and rows[0].startswith("top - ") and any(row.startswith("Tasks:") for row in rows),
               "top's full screen")  # fmt: skip
-        typed("q")
+        typed("q")  # top flushes the terminal's input as it exits: type on only once it is gone
+        browser.until(lambda _d: not any(p["command"].startswith("top") for p in sb.processes()), "top to end")
         typed("echo back-$((X+1))" + Keys.ENTER)
         shows(lambda rows: "back-43" in rows, "the shell after top")
         # the window's size reaches the terminal: stty size answers what the page fitted, before and after
