@@ -357,6 +357,7 @@ def test_the_terminal_is_a_pty_full_screen_resized_and_reattached(
         typed("top -d 1 -n 60" + Keys.ENTER)  # ends by itself within the wait should a 'q' be flushed by it
         shows(lambda rows: rows and rows[0].startswith("top - ") and any(row.startswith("Tasks:") for row in rows),
               "top's full screen")  # fmt: skip
+        assert any(p["command"].startswith("top") for p in sb.processes())  # a program in the terminal's session
         typed("q")  # top flushes the terminal's input as it exits: type on only once it is gone
         browser.until(lambda _d: not any(p["command"].startswith("top") for p in sb.processes()), "top to end")
         typed("echo back-$((X+1))" + Keys.ENTER)
