@@ -135,5 +135,9 @@ if __name__ == "__main__":
     mode, count = sys.argv[1], int(sys.argv[2])
     enter_runtime_namespace()
     WORK.mkdir(parents=True, exist_ok=True)
-    result = {"crun": crun_cycle, "crun-create": crun_create, "crun-exec": crun_exec, "bwrap": bwrap_cycle}[mode](count)
+    run = {"crun": crun_cycle, "crun-create": crun_create, "crun-exec": crun_exec, "bwrap": bwrap_cycle}[mode]
+    try:
+        result = run(count)
+    finally:
+        cgroups.remove("/shoal-bench-raw")  # crun removes each container's cgroup, not the parent it made
     print(json.dumps(result))
