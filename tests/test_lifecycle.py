@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -213,3 +214,22 @@ def test_ls_shows_owner_and_what_ends_each_sandbox(client: shoal.Client, node: N
         rows = {line.split("\t")[0]: line.split("\t") for line in listing.splitlines()[1:]}
         assert rows[forever.id][4] == forever.info.owner and rows[forever.id][5] == "never"
         assert rows[timed.id][4] == timed.info.owner and rows[timed.id][5].startswith("ttl ")  # 10 min < 30 min idle
+
+
+async def test_closing_a_connection_fails_its_calls_in_flight(client: shoal.Client, node: NodeProcess) -> None:
+    """A call in flight on a connection that gets closed fails at once instead of waiting for ever (a gateway
+    closes a node connection whose health poll timed out while other requests were in flight on it)."""
+    from shoal.client.transport import Connection
+    from shoal.errors import NodeError
+
+    sb = client.create(image="busybox", ttl_s=120)
+    try:
+        conn = await Connection.open_unix(str(node.paths.socket))
+        call = asyncio.ensure_future(conn.call("exec", {"req": {"sandbox_id": sb.id, "cmd": "sleep 60"}}))
+        await asyncio.sleep(1)  # the request is on the node
+        assert not call.done()
+        await conn.close()
+        with pytest.raises(NodeError, match="closed with this call in flight"):
+            await asyncio.wait_for(call, 10)
+    finally:
+        sb.close()

@@ -150,16 +150,22 @@ class Connection:
                     call.future.set_result(response.result)
         except Exception as exc:
             self._closed = exc
-            failure = NodeError(f"lost the connection to the node at {self.address}: {exc}")
-            for call in self._calls.values():
-                if not call.future.done() and not call.abandoned:
-                    call.future.set_exception(failure)
-            self._calls.clear()
+            self._fail_calls(NodeError(f"lost the connection to the node at {self.address}: {exc}"))
+
+    def _fail_calls(self, failure: Exception) -> None:
+        """Answer every call still waiting with `failure`: no answer can come any more."""
+        for call in self._calls.values():
+            if not call.future.done() and not call.abandoned:
+                call.future.set_exception(failure)
+        self._calls.clear()
 
     async def close(self) -> None:
+        """Close the connection; calls still waiting on it fail (a gateway closes a node connection whose
+        health poll timed out while other requests were in flight on it: they waited for ever)."""
         if self._closed is None:
             self._closed = ConnectionAbortedError("closed by the client")
         self._reader_task.cancel()
+        self._fail_calls(NodeError(f"the connection to the node at {self.address} was closed with this call in flight"))
         self._writer.close()
         try:
             await self._writer.wait_closed()
