@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import shoal
 from shoal.config import Paths
 from shoal.protocol import SandboxInfo
+from shoal.steps import jsonable
 
 
 def _client(args: argparse.Namespace) -> shoal.Client:
@@ -259,20 +259,6 @@ def cmd_image(args: argparse.Namespace) -> int:
     return 0
 
 
-def _jsonable(value: object) -> object:
-    """Bytes as text when they are UTF-8, else {"base64": ...}; containers converted recursively."""
-    if isinstance(value, bytes | bytearray):
-        try:
-            return bytes(value).decode()
-        except UnicodeDecodeError:
-            return {"base64": base64.b64encode(value).decode()}
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 def _outcome(step: dict) -> str:
     if step["error_type"]:
         return f"{step['error_type']}: {step['error']}"
@@ -280,7 +266,7 @@ def _outcome(step: dict) -> str:
     if isinstance(result, dict) and "exit_code" in result:
         out = (result["stdout"] + result["stderr"]).decode(errors="replace").strip().replace("\n", "\\n")
         return f"exit {result['exit_code']}" + (f": {out[:100]}" if out else "")
-    text = repr(_jsonable(result))
+    text = repr(jsonable(result))
     return text if len(text) <= 100 else text[:97] + "..."
 
 
@@ -288,7 +274,7 @@ def cmd_log(args: argparse.Namespace) -> int:
     with _client(args) as client:
         log = client.log(args.target)
     if args.action == "export":
-        lines = "".join(json.dumps(_jsonable(step)) + "\n" for step in log["steps"])
+        lines = "".join(json.dumps(jsonable(step)) + "\n" for step in log["steps"])
         if args.output in (None, "-"):
             sys.stdout.write(lines)
         else:

@@ -8,6 +8,7 @@ empty default, so the client (which sends only what was set) and the node (which
 
 from __future__ import annotations
 
+import base64
 import hashlib
 from typing import Any
 
@@ -85,3 +86,18 @@ def divergence_message(sandbox_id: str, seq: int, logged: str, issued: str) -> s
         f"request is {issued}; re-issue the logged steps in order, or start a new trajectory "
         f"(client.replay({sandbox_id!r}) re-runs the log in a fresh sandbox)"
     )
+
+
+def jsonable(value: Any) -> Any:
+    """A logged value as JSON can carry it: bytes as text when they are UTF-8, else {"base64": ...}, containers
+    converted recursively (what `shoal log export` and the console's JSONL export write)."""
+    if isinstance(value, bytes | bytearray):
+        try:
+            return bytes(value).decode()
+        except UnicodeDecodeError:
+            return {"base64": base64.b64encode(value).decode()}
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    return value

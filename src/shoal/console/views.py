@@ -6,7 +6,6 @@ however many sandboxes the node or cluster holds (`page` costs one pass over the
 
 from __future__ import annotations
 
-import base64
 import collections
 import math
 import re
@@ -14,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.errors import InvalidRequestError
+from shoal.steps import jsonable
 
 PAGE_MAX = 500  # most rows one page may ask for
 OUTPUT_SHOWN = 4000  # characters of a step's stdout/stderr shown in a step table (the export has them whole)
@@ -168,20 +168,6 @@ def by_kind_state(infos: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     for info in infos:
         counts[info["kind"]][info["state"]] += 1
     return {kind: dict(states) for kind, states in sorted(counts.items())}
-
-
-def jsonable(value: Any) -> Any:
-    """Bytes as text when they are UTF-8, else {"base64": ...} (as `shoal log export` writes them)."""
-    if isinstance(value, bytes | bytearray):
-        try:
-            return bytes(value).decode()
-        except UnicodeDecodeError:
-            return {"base64": base64.b64encode(value).decode()}
-    if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    return value
 
 
 def shown(value: Any) -> Any:
