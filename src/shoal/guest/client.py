@@ -376,6 +376,16 @@ class AgentClient:
             raise
         return conn
 
+    async def _opened(self, kind: bytes, payload: bytes, reply: bytes) -> tuple[_Conn, bytes]:
+        """Send a request whose connection stays open past its first reply (`reply`): the connection and that
+        reply's payload; the connection is closed if the reply does not come."""
+        conn = await self._request(kind, payload)
+        try:
+            return conn, (await conn.expect(reply))[1]
+        except BaseException:
+            await conn.close()
+            raise
+
     async def _simple(self, kind: bytes, payload: bytes) -> bytes:
         conn = await self._request(kind, payload)
         try:
@@ -418,12 +428,7 @@ class AgentClient:
         caller closes the writer."""
         if not 0 < port < 65536:
             raise ValueError(f"port {port} is not in 1-65535")
-        conn = await self._request(b"F", _U32.pack(port))
-        try:
-            await conn.expect(b"A")
-        except BaseException:
-            await conn.close()
-            raise
+        conn, _ = await self._opened(b"F", _U32.pack(port), b"A")
         return conn.reader, conn.writer
 
     async def exec(
@@ -440,12 +445,7 @@ class AgentClient:
     ) -> ExecProcess:
         """Start ``argv``; the caller must read output until None and close the process."""
         payload = _exec_payload(argv, env, cwd, uid, gid, cap_bytes, stdin_pipe, merge_stderr)
-        conn = await self._request(b"E", payload)
-        try:
-            _, payload = await conn.expect(b"P")
-        except BaseException:
-            await conn.close()
-            raise
+        conn, payload = await self._opened(b"E", payload, b"P")
         handler = _U32.unpack_from(payload, 4)[0] if len(payload) >= 8 else None  # older agents: pid only
         return ExecProcess(conn, _U32.unpack_from(payload)[0], handler)
 
@@ -479,12 +479,7 @@ class AgentClient:
 
     async def attach(self, id: int, mode: int, offsets: tuple[int, int] = (0, 0), frames: bytes = b"") -> Attached:
         """Connect to background process `id` (Attached.READ, FOLLOW or CONTROL), sending `frames` first."""
-        conn = await self._request(b"A", _ATTACH.pack(id, mode, *offsets) + frames)
-        try:
-            _, payload = await conn.expect(b"P")
-        except BaseException:
-            await conn.close()
-            raise
+        conn, payload = await self._opened(b"A", _ATTACH.pack(id, mode, *offsets) + frames, b"P")
         pid, keeper, pty = struct.unpack_from(">II?", payload)
         return Attached(conn, pid, keeper, pty, offsets)
 
