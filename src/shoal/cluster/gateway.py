@@ -90,7 +90,8 @@ class Gateway:
         self.max_inflight = max_inflight_per_node
         self.nodes: dict[str, NodeView] = {}
         self.gone: dict[str, str] = {}
-        self.conns: dict[str, Connection] = {}
+        self.conns: dict[str, Connection] = {}  # clients' requests to each node, multiplexed
+        self.poll_conns: dict[str, Connection] = {}  # each poller's own: a slow poll never fails a request
         self.tasks = TaskOwner(f"gateway {name}")  # every background task of the gateway ends with it
         self._pollers: dict[str, asyncio.Task] = {}
         self._closing = False
@@ -161,9 +162,10 @@ class Gateway:
         task = self._pollers.pop(node_id, None)
         if task is not None:
             task.cancel()
-        conn = self.conns.pop(node_id, None)
-        if conn is not None:
-            self.tasks.spawn(conn.close(), f"close the connection to {node_id}")
+        for conns in (self.conns, self.poll_conns):
+            conn = conns.pop(node_id, None)
+            if conn is not None:
+                self.tasks.spawn(conn.close(), f"close the connection to {node_id}")
 
     def _mark(self, view: NodeView, healthy: bool, reason: str = "") -> None:
         if view.healthy != healthy:
@@ -173,14 +175,16 @@ class Gateway:
         view.healthy = healthy
         view.reason = reason
 
-    async def _conn(self, view: NodeView) -> Connection:
-        conn = self.conns.get(view.node_id)
+    async def _conn(self, view: NodeView, conns: dict[str, Connection] | None = None) -> Connection:
+        """The open connection to a node in `conns` (the requests' by default), opened if there is none."""
+        conns = self.conns if conns is None else conns
+        conn = conns.get(view.node_id)
         if conn is None or conn.closed:
             conn = await asyncio.wait_for(self._open(view.host, view.port), 5)
             if conn.identity.get("node_id") != view.node_id:
                 await conn.close()
                 raise NodeError(f"{view.host}:{view.port} is node {conn.identity.get('node_id')}, not {view.node_id}")
-            self.conns[view.node_id] = conn
+            conns[view.node_id] = conn
         return conn
 
     async def _open(self, host: str, port: int) -> Connection:
@@ -188,12 +192,18 @@ class Gateway:
         return await Connection.open_tcp(host, port, self.cluster_token, tls_context=self.node_tls, tls_ca=self.tls_ca)
 
     async def _poll(self, node_id: str) -> None:
+        """Keep a node's view current, on a connection of the poller's own.
+
+        A poll that times out marks the node down (no new placements) but leaves the requests' connection
+        alone: a node busy with thousands of creates answers late, and its in-flight requests are still
+        good. A poll that fails otherwise (refused, reset, a node that is someone else) closes both: the
+        requests would fail on that connection anyway, and the next request opens a fresh one."""
         images_every = 20
         tick = 0
         while node_id in self.nodes and not self._closing:
             view = self.nodes[node_id]
             try:
-                conn = await self._conn(view)
+                conn = await self._conn(view, self.poll_conns)
                 status = await asyncio.wait_for(conn.call("status"), 5)
                 # a sandbox made (node clock) before the node took its usage snapshot is in the snapshot (as
                 # owned, or as reserved while its create was in flight); the later ones are counted from here
@@ -213,9 +223,11 @@ class Gateway:
                 raise
             except Exception as exc:
                 self._mark(view, False, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
-                conn = self.conns.pop(node_id, None)
-                if conn is not None:
-                    await conn.close()
+                slow = isinstance(exc, TimeoutError)
+                for conns in (self.poll_conns,) if slow else (self.poll_conns, self.conns):
+                    conn = conns.pop(node_id, None)
+                    if conn is not None:
+                        await conn.close()
             tick += 1
             self.admission.pump()
             await asyncio.sleep(self.poll_interval)
@@ -740,9 +752,10 @@ class Gateway:
         self._closing = True
         await self.tasks.close()
         self._pollers.clear()
-        for conn in list(self.conns.values()):
-            await conn.close()
-        self.conns.clear()
+        for conns in (self.conns, self.poll_conns):
+            for conn in list(conns.values()):
+                await conn.close()
+            conns.clear()
 
 
 async def _ask(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rid: int, op: str, args: dict) -> Any:
