@@ -30,11 +30,23 @@ SHORT_TEMP_ROOT = Path("/tmp/shoal-t")
 KEEP_TEMP_RUNS = 3
 
 
+# Each test run marks its pid here while it runs: the sweeper below takes a cgroup parent named after a dead
+# pid for a killed test run's only if that pid has a mark, so a real node whose parent happens to end in a
+# number (SHOAL_CGROUP_PARENT=shoal-team-42, a Ray node's shoal-<id>) is never touched by a test run.
+RUN_MARKS = Path("/run/shoal-test-runs")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    RUN_MARKS.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (RUN_MARKS / str(os.getpid())).touch()
     if config.option.basetemp is None:
         SHORT_TEMP_ROOT.mkdir(mode=0o700, exist_ok=True)
         _prune_old_runs(SHORT_TEMP_ROOT)
         config.option.basetemp = str(SHORT_TEMP_ROOT / str(os.getpid()))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    (RUN_MARKS / str(os.getpid())).unlink(missing_ok=True)  # ended: its fixtures cleaned up what it made
 
 
 def _prune_old_runs(root: Path) -> None:
@@ -195,8 +207,9 @@ class NodeProcess:
 # ---------------------------------------------------------------- leftovers of killed runs
 
 # Cgroup parents that tests (and LocalCluster) name after the pytest process: shoal-test-<pid>,
-# shoal-test-userns-<pid>, shoal-<node id>-<pid>... A parent whose <pid> no longer exists belongs to a run
-# that was killed before its fixtures could clean up. A live run's pid exists, so its parents never match.
+# shoal-test-userns-<pid>, shoal-<node id>-<pid>... A parent whose <pid> no longer exists but is marked in
+# RUN_MARKS belongs to a test run that was killed before its fixtures could clean up. A live run's pid
+# exists, so its parents never match; a parent of anything but a test run has no mark.
 _RUN_PARENT = re.compile(r"^shoal-[A-Za-z0-9._-]+-([0-9]+)$")
 _PID_MAX = int(Path("/proc/sys/kernel/pid_max").read_text())  # a larger number is no pid: never swept
 
@@ -215,7 +228,9 @@ def dead_run_parents() -> list[str]:
             continue
         for entry in entries:
             match = _RUN_PARENT.match(entry.name)
-            if match and int(match[1]) <= _PID_MAX and entry.is_dir() and not Path(f"/proc/{match[1]}").exists():
+            pid = match[1] if match else ""
+            killed = pid and int(pid) <= _PID_MAX and (RUN_MARKS / pid).exists() and not Path(f"/proc/{pid}").exists()
+            if killed and entry.is_dir():
                 found.add(entry.name)
     return sorted(found)
 
@@ -320,6 +335,9 @@ def _sweep_killed_runs() -> None:
     for parent in dead_run_parents():
         for line in sweep_dead_run(parent):
             print(f"swept {parent}: {line}")
+    for mark in RUN_MARKS.iterdir():  # the killed runs swept (or that left nothing)
+        if not Path(f"/proc/{mark.name}").exists():
+            mark.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

@@ -150,11 +150,12 @@ def test_the_session_sweeper_clears_a_killed_runs_leftovers(tmp_path_factory, no
     it; the parents of live runs (this one's included) are never candidates."""
     import subprocess
 
-    from conftest import dead_run_parents, sweep_dead_run
+    from conftest import RUN_MARKS, dead_run_parents, sweep_dead_run
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid that no longer exists: the "killed run"
     parent = f"shoal-test-sweep-{gone.pid}"
+    (RUN_MARKS / str(gone.pid)).touch()  # as a test run marks itself
     node = NodeProcess(tmp_path_factory.mktemp("sweep") / "home", parent).start()  # short: socket paths fit
     with node.client() as client:
         for _ in range(2):
@@ -165,7 +166,11 @@ def test_the_session_sweeper_clears_a_killed_runs_leftovers(tmp_path_factory, no
         node.stop(signal.SIGKILL)
     assert parent in dead_run_parents()
     assert f"shoal-test-{os.getpid()}" not in dead_run_parents()  # this run is alive
+    (RUN_MARKS / str(gone.pid)).unlink()
+    assert parent not in dead_run_parents()  # not a test run's (no mark): a real node's, never swept
+    (RUN_MARKS / str(gone.pid)).touch()
     sweep_dead_run(parent)
+    (RUN_MARKS / str(gone.pid)).unlink()
     assert parent not in dead_run_parents()
     found = no_leftovers(node.home, parent, node_stopped=True)
     if node_state == "killed":  # no node cleaned the sandboxes' directories; nothing else may stay
