@@ -471,6 +471,7 @@ def _works(address: str, token: str, timeout: float = 60.0) -> None:
 @pytest.fixture
 def guarded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalCluster]:
     monkeypatch.setenv("SHOAL_AUTH_TIMEOUT_S", "3")  # the node's and gateway's pre-auth deadline
+    monkeypatch.setenv("SHOAL_PEER_INFLIGHT_MB", "64")  # request bytes in flight per address
     lc = LocalCluster(tmp_path, nodes=1, prefix="tg")
     try:
         lc.add_gateway()
@@ -511,6 +512,54 @@ def test_unauthenticated_peers_cannot_make_node_or_gateway_buffer_or_hold(guarde
             sock.close()
         assert _rss_mb(pid) - before < 64, f"{address}: RSS grew {_rss_mb(pid) - before:.0f} MiB"
         _works(address, token)
+
+
+def _authenticated(address: str, source: str, token: str) -> socket.socket:
+    from shoal import protocol
+
+    sock = _raw(address, source)
+    sock.sendall(protocol.encode(protocol.Request(id=1, op="auth", args={"token": token})))
+    length = struct.unpack(">I", sock.recv(4, socket.MSG_WAITALL))[0]
+    answer = protocol.decode_response(sock.recv(length, socket.MSG_WAITALL))
+    assert answer.error is None, answer.error
+    return sock
+
+
+def test_a_token_holder_cannot_make_node_or_gateway_buffer_frames_without_bound(guarded: LocalCluster) -> None:
+    """Partial 40 MiB frames on 8 authenticated connections from one address: only what the address's
+    budget (SHOAL_PEER_INFLIGHT_MB=64 here) allows is read; the rest waits in TCP (RSS grew by all of it
+    before), other addresses are served meanwhile, and the budget comes back when the connections close."""
+    from shoal import protocol
+
+    token = guarded.project_tokens["default"]
+    targets = [
+        (guarded.nodes[0].address, guarded.nodes[0].pid),
+        (guarded.gateways[0].address, guarded.gateways[0].proc.pid),
+    ]
+    for address, pid in targets:
+        before = _rss_mb(pid)
+        socks = [_authenticated(address, "127.0.0.4", token) for _ in range(8)]
+        chunk = b"\0" * (1 << 20)
+        for sock in socks:
+            sock.settimeout(0.5)
+            try:
+                sock.sendall(struct.pack(">I", 40 << 20))
+                for _ in range(39):  # all of the frame but its last MiB: it stays buffered, unanswered
+                    sock.sendall(chunk)
+            except TimeoutError:  # this connection's frame waits for budget: TCP pushes back
+                pass
+        time.sleep(1.0)
+        grew = _rss_mb(pid) - before
+        _works(address, token)  # another address is served meanwhile
+        assert grew < 140, f"{address}: RSS grew {grew:.0f} MiB for 8 partial 40 MiB frames (budget 64 MiB)"
+        for sock in socks:
+            sock.close()
+        sock = _authenticated(address, "127.0.0.4", token)  # the address's budget was given back
+        sock.settimeout(30)
+        sock.sendall(protocol.encode(protocol.Request(id=2, op="status", args={})))
+        length = struct.unpack(">I", sock.recv(4, socket.MSG_WAITALL))[0]
+        assert protocol.decode_response(sock.recv(length, socket.MSG_WAITALL)).error is None
+        sock.close()
 
 
 def test_out_of_file_descriptors_backs_off_logs_once_and_recovers(guarded: LocalCluster) -> None:

@@ -12,7 +12,10 @@ log with EMFILE lines. So every TCP listener here goes through `serve_tcp`, whic
 - hands the handler a `ConnectionGuard`, which `protocol.dispatch_requests` consults: before authentication
   a frame may be at most `preauth_frame` bytes, requests are served one at a time, and the token must come
   within `auth_timeout_s`; after it, a connection with nothing in flight and no frame for `idle_timeout_s`
-  is closed (the client reopens it on its next request).
+  is closed (the client reopens it on its next request);
+- holds each peer address to `inflight_bytes` of request frames read and not yet answered (`PeerBudget`):
+  past it, that peer's next frame is not read until earlier requests end, so a token holder cannot make the
+  process buffer 256 MiB frames on each of its 1024 connections; TCP's own flow control then slows the peer.
 
 Settings come from the environment (`Limits.from_env`, documented in docs/SECURITY.md).
 """
@@ -45,6 +48,7 @@ class Limits:
     max_preauth_per_peer: int = 32  # unauthenticated connections from one address
     max_preauth: int = 1024  # unauthenticated connections in total
     reader_limit: int = 1 << 16  # StreamReader buffer high-water mark (reading pauses above twice this)
+    inflight_bytes: int = 1 << 30  # request bytes one peer may have read and not yet answered
 
     @classmethod
     def from_env(cls) -> Limits:
@@ -55,7 +59,40 @@ class Limits:
             max_per_peer=settings.MAX_CONN_PER_PEER.get(),
             max_preauth_per_peer=settings.MAX_PREAUTH_PER_PEER.get(),
             max_preauth=settings.MAX_PREAUTH.get(),
+            inflight_bytes=settings.PEER_INFLIGHT_MB.get() << 20,
         )
+
+
+class PeerBudget:
+    """Bytes of request frames each peer address has in flight (read, and the request not yet ended).
+
+    `acquire` waits while the peer's bytes plus the new frame's would pass the limit, except when the peer
+    has nothing in flight (a frame larger than the limit alone still goes through, one at a time), so a
+    peer can always make progress; `release` wakes the peer's waiters."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held: collections.Counter[str] = collections.Counter()
+        self._waiters: dict[str, list[asyncio.Future]] = collections.defaultdict(list)
+
+    async def acquire(self, peer: str, size: int) -> None:
+        while self.held[peer] and self.held[peer] + size > self.limit:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters[peer].append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters.get(peer, ()):
+                    self._waiters[peer].remove(waiter)
+        self.held[peer] += size
+
+    def release(self, peer: str, size: int) -> None:
+        self.held[peer] -= size
+        if self.held[peer] <= 0:
+            del self.held[peer]
+        for waiter in self._waiters.pop(peer, []):
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 class ConnectionGuard:
@@ -71,6 +108,13 @@ class ConnectionGuard:
         self.tls = listener.ssl is not None  # plain TCP: tokens only from loopback peers (shoal/tls.py)
         # set by the handler: does the session now hold an identity? (checked after each pre-auth request)
         self.is_authenticated: Callable[[], bool] = lambda: False
+
+    async def reserve(self, size: int) -> None:
+        """Wait until this peer may have `size` more request bytes in flight; `unreserve` when that ends."""
+        await self.listener.budget.acquire(self.peer, size)
+
+    def unreserve(self, size: int) -> None:
+        self.listener.budget.release(self.peer, size)
 
     def check_authenticated(self) -> bool:
         if not self.authenticated and self.is_authenticated():
@@ -141,6 +185,7 @@ class Listener:
         self.limits = limits
         self.name = name
         self.per_peer: collections.Counter[str] = collections.Counter()
+        self.budget = PeerBudget(limits.inflight_bytes)
         self.preauth_per_peer: collections.Counter[str] = collections.Counter()
         self.preauth = 0
         self.refused = 0  # connections closed at once for being over a cap

@@ -9,6 +9,7 @@ served concurrently.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import struct
 import time
@@ -313,7 +314,16 @@ async def _read_guarded(reader: Any, guard: Any, busy: Callable[[], bool]) -> by
             return None
         if length > MAX_FRAME:
             raise ValueError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
-        return await reader.readexactly(length)
+        await guard.reserve(length)  # held until the request ends (dispatch_requests), or released here
+        try:
+            return await reader.readexactly(length)
+        except BaseException:
+            guard.unreserve(length)
+            raise
+
+
+def _nothing() -> None:
+    pass
 
 
 async def dispatch_requests(
@@ -334,6 +344,7 @@ async def dispatch_requests(
     tasks: dict[int, asyncio.Task] = {}
     try:
         while True:
+            release: Callable[[], None] = _nothing
             if guard is None:
                 body = await read_frame(reader)
             elif not guard.check_authenticated():
@@ -348,20 +359,30 @@ async def dispatch_requests(
                 continue
             else:
                 body = await _read_guarded(reader, guard, lambda: bool(tasks))
+                if body is not None:  # its bytes count against the peer's budget until its request ends
+                    held = len(body)
+                    release = functools.partial(guard.unreserve, held)
             if body is None:
                 break
-            request = decode_request(body)
+            try:
+                request = decode_request(body)
+            except BaseException:
+                release()
+                raise
             if request.op == "cancel":  # the client gave up on an earlier request
+                release()
                 victim = tasks.get(int(request.args.get("request_id", -1)))
                 if victim is not None:
                     victim.cancel()
                 continue
             if request.op in takeover and not tasks:
+                release()
                 await serve(request)
                 break
             task = asyncio.create_task(serve(request))
             tasks[request.id] = task
             task.add_done_callback(lambda _t, rid=request.id: tasks.pop(rid, None))
+            task.add_done_callback(lambda _t, release=release: release())
             if after_each is not None:
                 await after_each()
     except (ConnectionError, asyncio.IncompleteReadError):

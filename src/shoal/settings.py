@@ -300,6 +300,13 @@ CONN_IDLE_TIMEOUT_S: Setting[float] = _declare(
 MAX_CONN_PER_PEER: Setting[int] = _declare(
     "SHOAL_MAX_CONN_PER_PEER", int, 1024, NETWORK, "Connections from one address at most."
 )
+PEER_INFLIGHT_MB: Setting[int] = _declare(
+    "SHOAL_PEER_INFLIGHT_MB",
+    int,
+    1024,
+    NETWORK,
+    "Request bytes one address may have read and not yet answered (MiB): past it, its next frame waits.",
+)
 MAX_PREAUTH_PER_PEER: Setting[int] = _declare(
     "SHOAL_MAX_PREAUTH_PER_PEER", int, 32, NETWORK, "Unauthenticated connections from one address at most."
 )
