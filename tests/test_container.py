@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import socket
 import threading
 import time
@@ -266,6 +268,17 @@ def test_files_round_trip(sb: shoal.Sandbox, tmp_path: Path) -> None:
     assert (out / "sub" / "r.txt").read_text() == "result\n" and (out / "link").is_symlink()
     sb.files.remove("/work/out", recursive=True)
     assert not sb.files.exists("/work/out")
+    big = tmp_path / "big.bin"  # over two 8 MiB write pieces, with a short tail; and an empty file
+    big.write_bytes(os.urandom(1 << 20) * 17 + b"tail")
+    big.chmod(0o640)
+    assert sb.files.write_from(str(big), "/work/big.bin") == big.stat().st_size
+    assert sb.exec("sha256sum /work/big.bin; stat -c %a /work/big.bin").stdout.split()[::2] == [
+        hashlib.sha256(big.read_bytes()).hexdigest(),
+        "640",
+    ]
+    (tmp_path / "empty").write_bytes(b"")
+    assert sb.files.write_from(str(tmp_path / "empty"), "/work/empty") == 0
+    assert sb.files.read("/work/empty") == b""
 
 
 def _tar(*members: tuple[str, str, bytes | str]) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
 import os
 import subprocess
 import sys
@@ -242,6 +243,10 @@ def test_files(sbx: Sandbox) -> None:
         sbx.files.read("/work/dir/missing.txt")
     # the files are the command's files
     assert sbx.commands.run("cat /work/dir/b.txt").stdout == "hello"
+    # larger than the layer's write pieces (8 MiB): streamed into the sandbox in order, not held whole
+    big = os.urandom(1 << 20) * 19 + b"tail"
+    sbx.files.write("/work/big.bin", big)
+    assert sbx.commands.run("sha256sum /work/big.bin").stdout.split()[0] == hashlib.sha256(big).hexdigest()
     written = sbx.files.write_files([{"path": "/work/m/1.txt", "data": "one"}, {"path": "/work/m/2.txt", "data": b"2"}])
     assert sorted(w.path for w in written) == ["/work/m/1.txt", "/work/m/2.txt"]
     assert sbx.commands.run("cat /work/m/1.txt /work/m/2.txt").stdout == "one2"

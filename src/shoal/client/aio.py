@@ -8,7 +8,7 @@ import os
 import socket
 import stat as stat_module
 import warnings
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -964,15 +964,31 @@ class AsyncFiles:
         """Copy the local file `local` to `path`, read and sent WRITE_CHUNK at a time (never held whole)."""
         source = Path(local)
         mode = stat_module.S_IMODE(source.stat().st_mode) if mode is None else mode
+
+        async def chunks() -> AsyncIterator[bytes]:
+            with source.open("rb") as handle:
+                while chunk := await asyncio.to_thread(handle.read, WRITE_CHUNK):
+                    yield chunk
+
+        return await self.write_stream(path, chunks(), mode=mode)
+
+    async def write_stream(self, path: str, chunks: AsyncIterable[bytes], *, mode: int = 0o644) -> int:
+        """Write what `chunks` yields to `path`, sent WRITE_CHUNK at a time as it arrives, so an upload relayed
+        from a socket (the E2B layer's) is never held whole: the first piece replaces the file, the rest
+        append (one step each); an empty stream makes an empty file. Returns the bytes written."""
         written = 0
-        with source.open("rb") as handle:
-            while True:
-                chunk = await asyncio.to_thread(handle.read, WRITE_CHUNK)
-                if chunk or not written:
-                    args = {"path": path, "data": chunk, "mode": mode, "append": written > 0}
-                    written += await self._call("file_write", **args)
-                if len(chunk) < WRITE_CHUNK:
-                    return written
+        started = False
+        pending = bytearray()
+        async for chunk in chunks:
+            pending += chunk
+            while len(pending) >= WRITE_CHUNK:
+                piece = bytes(pending[:WRITE_CHUNK])
+                del pending[:WRITE_CHUNK]
+                written += await self._call("file_write", path=path, data=piece, mode=mode, append=started)
+                started = True
+        if pending or not started:
+            written += await self._call("file_write", path=path, data=bytes(pending), mode=mode, append=started)
+        return written
 
     async def read(self, path: str, *, max_bytes: int = 256 << 20) -> bytes:
         """The bytes of file `path`; raises if it is larger than `max_bytes`. A file over 64 KiB comes in

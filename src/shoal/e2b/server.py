@@ -15,7 +15,7 @@ import asyncio
 import email.message
 import posixpath
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -138,34 +138,43 @@ class E2BServer:
         return web.Response(body=data, content_type="application/octet-stream")
 
     async def upload(self, request: web.Request) -> web.StreamResponse:
+        """envd's `POST /files`: each file streamed into the sandbox as it arrives (files.write_stream), never
+        held whole. The SDK sends one multipart part per file named by its path (and `?path=` as well when it
+        sends one file); a first part without a name, or a raw octet-stream body, goes to `?path=`."""
         try:
             token, sandbox_id = _envd_caller(request)
             sandbox = await self.backend.sandbox(token, sandbox_id)
             query_path = request.query.get("path")
-            files: list[tuple[str, bytes]] = []
+            written = []
+
+            async def put(path: str, chunks: AsyncIterator[bytes]) -> None:
+                if not path:
+                    raise InvalidRequestError("upload without a path: name the file (?path= or the part's filename)")
+                parent = posixpath.dirname(path)
+                if parent and await sandbox.files.stat(parent) is None:
+                    await sandbox.files.mkdir(parent)
+                await sandbox.files.write_stream(path, chunks)
+                written.append({"name": posixpath.basename(path), "type": "file", "path": path})
+
             if request.content_type.startswith("multipart/"):
                 reader = await request.multipart()
                 async for part in reader:
                     if part.name != "file":  # type: ignore[union-attr]
                         continue
-                    data = await part.read()  # type: ignore[union-attr]
-                    files.append((_part_filename(part) or query_path or "", bytes(data)))
-                if len(files) == 1 and query_path:
-                    files = [(query_path, files[0][1])]
+                    named = _part_filename(part)
+                    path = query_path if query_path and not written else (named or query_path or "")
+                    await put(path, _chunks(part.read_chunk))  # type: ignore[union-attr]
             else:
-                files.append((query_path or "", await request.read()))
-            written = []
-            for path, data in files:
-                if not path:
-                    raise InvalidRequestError("upload without a path")
-                parent = posixpath.dirname(path)
-                if parent and await sandbox.files.stat(parent) is None:
-                    await sandbox.files.mkdir(parent)
-                await sandbox.files.write(path, data)
-                written.append({"name": posixpath.basename(path), "type": "file", "path": path})
+                await put(query_path or "", _chunks(request.content.read))
         except Exception as exc:
             return envd_error_response(exc)
         return web.json_response(written)
+
+
+async def _chunks(read: Callable[[int], Awaitable[bytes]], size: int = 1 << 20) -> AsyncIterator[bytes]:
+    """What `read(size)` returns until it returns nothing (an aiohttp body or multipart part, as it arrives)."""
+    while chunk := await read(size):
+        yield chunk
 
 
 async def start(target: Target, listen: str, addr_file: Any = None) -> Callable[[], Awaitable[None]]:
