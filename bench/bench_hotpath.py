@@ -265,7 +265,7 @@ async def flat_rate(client: shoal.AsyncClient, live: int, k: int, pid: int) -> N
 
 
 async def main(args: argparse.Namespace) -> None:
-    node = BenchNode("hotpath")
+    node = BenchNode(args.name)
     n = args.n
     try:
         async with shoal.AsyncClient() as client:
@@ -298,4 +298,5 @@ if __name__ == "__main__":
     parser.add_argument("--live", type=int, default=200, help="sandboxes alive for the flat-rate row")
     parser.add_argument("--only", help="comma-separated sections: create,concurrent,claim,exec,throughput,live")
     parser.add_argument("--profile", metavar="DIR", help="record py-spy flame graphs of the node into DIR")
+    parser.add_argument("--name", default="hotpath", help="the bench node's home: /tmp/shoal-bench-NAME")
     asyncio.run(main(parser.parse_args()))

@@ -38,6 +38,7 @@ from shoal.errors import (
     UnsupportedKindError,
 )
 from shoal.guest import AgentClient, AgentError
+from shoal.guest.client import control_frames
 from shoal.images import Image, ImageStore
 from shoal.images.builtin import register_builtins
 from shoal.node import gui, network, procs, recovery
@@ -813,7 +814,7 @@ class NodeService:
         ooms = cgroups.oom_kills(sandbox.instance.cgroup_path) if sandbox.spec.memory_mb else 0
         start = time.monotonic()
         try:
-            proc = await sandbox.agent.exec(
+            run = await sandbox.agent.exec_run(
                 argv,
                 env={**sandbox.env, **req.env},
                 cwd=req.cwd or sandbox.workdir,
@@ -822,6 +823,7 @@ class NodeService:
                 cap_bytes=cap,
                 stdin_pipe=req.stdin is not None,
                 merge_stderr=req.merge_stderr,
+                stream=emit is not None and req.stream,
             )
         except (ConnectionError, OSError) as exc:
             if isinstance(exc, OSError) and exc.errno == errno.EAGAIN:
@@ -840,61 +842,51 @@ class NodeService:
                     f"limit is {sandbox.spec.pids}; wait for processes to exit or kill them"
                 ) from None
             raise CapacityError(f"sandbox {sandbox.id} dropped the command before it started: {exc}") from None
-        sandbox.remember_exec(proc.handler_pid, req.cmd if isinstance(req.cmd, str) else " ".join(req.cmd))
-        stdout, stderr = bytearray(), bytearray()
+        sandbox.remember_exec(run.handler_pid, req.cmd if isinstance(req.cmd, str) else " ".join(req.cmd))
         timed_out = killed_inside = False
-        pending: asyncio.Future | None = None
         try:
             if req.stdin is not None:
-                await proc.write_stdin(req.stdin)
-                await proc.close_stdin()
+                await run.send(control_frames(stdin=req.stdin, eof=True))
             deadline = start + req.timeout if req.timeout else None
-            last_output = start
             kill_deadline: float | None = None
             while True:
+                if run.chunks:  # streamed, in order (only with emit and req.stream)
+                    chunks, run.chunks = run.chunks, []
+                    for stream, data in chunks:
+                        await emit(OutputChunk(stream=stream, data=data))  # type: ignore[misc]
+                    continue
+                if run.exit is not None:
+                    break
+                if run.error is not None:
+                    raise run.error
                 if kill_deadline is not None:
                     limit: float | None = kill_deadline
                 else:
-                    limits = [t for t in (deadline, req.idle_timeout and last_output + req.idle_timeout) if t]
+                    limits = [t for t in (deadline, req.idle_timeout and run.last_output + req.idle_timeout) if t]
                     limit = min(limits) if limits else None
-                if pending is None:
-                    pending = asyncio.ensure_future(proc.next_output())
-                wait = None if limit is None else max(0.0, limit - time.monotonic())
-                done, _ = await asyncio.wait({pending}, timeout=wait)
-                if not done:
+                if limit is not None and time.monotonic() >= limit:
                     if kill_deadline is not None:  # killed, yet no exit frame within the grace period
-                        pending.cancel()
                         break
                     timed_out = True
-                    await proc.kill(9)
+                    await run.kill(9)
                     kill_deadline = time.monotonic() + KILL_GRACE_S
                     continue
-                item = pending.result()
-                pending = None
-                if item is None:
-                    break
-                stream, data = item
-                last_output = time.monotonic()
-                (stdout if stream == "stdout" else stderr).extend(data)
-                if emit is not None and req.stream:
-                    await emit(OutputChunk(stream=stream, data=data))
+                await run.wait(limit)
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
             if not await self._agent_alive(sandbox):
                 raise await self._lost(sandbox, exc) from exc
             # The agent lives but the process serving this command was killed from inside the sandbox
             # (`kill -9 -1` as root there): report the command as killed, keep the sandbox.
-            stderr.extend(b"\n[shoal] the command's handler was killed from inside the sandbox\n")
+            run.stderr.extend(b"\n[shoal] the command's handler was killed from inside the sandbox\n")
             killed_inside = True
         finally:
-            if pending is not None:
-                pending.cancel()
-            await proc.close()
-        exit_info = None if killed_inside else proc.exit
+            run.close()
+        exit_info = None if killed_inside else run.exit
         oom = bool(sandbox.spec.memory_mb) and cgroups.oom_kills(sandbox.instance.cgroup_path) > ooms
         return ExecResult(
             exit_code=exit_info.exit_code if exit_info else 137,
-            stdout=bytes(stdout),
-            stderr=bytes(stderr),
+            stdout=bytes(run.stdout),
+            stderr=bytes(run.stderr),
             duration_s=time.monotonic() - start,
             timed_out=timed_out,
             truncated=bool(exit_info and (exit_info.stdout_dropped or exit_info.stderr_dropped)),
@@ -902,7 +894,7 @@ class NodeService:
             oom_killed=oom,
             stdout_omitted=exit_info.stdout_dropped if exit_info else 0,
             stderr_omitted=exit_info.stderr_dropped if exit_info else 0,
-            exec_id=proc.handler_pid,
+            exec_id=run.handler_pid,
         )
 
     # ---------------------------------------------------------------- files
