@@ -398,9 +398,12 @@ class ExecRun:
                 timer.cancel()
 
     async def send(self, frames: bytes) -> None:
-        """Frames to the command (control_frames: stdin, close stdin, a signal)."""
-        if self.exit is not None or self._closed:
-            raise BrokenPipeError("process has exited")
+        """Frames to the command (control_frames: stdin, close stdin, a signal); dropped once it has exited
+        (its exit frame may arrive before the node fed it stdin)."""
+        if self.exit is not None:
+            return
+        if self._closed:
+            raise BrokenPipeError("the command's connection is closed")
         try:
             await self._loop.sock_sendall(self._sock, frames)
         except OSError as exc:
