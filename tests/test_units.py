@@ -280,3 +280,13 @@ def test_resource_arguments_are_checked_with_the_bound_named(fields: dict, messa
     with pytest.raises(InvalidRequestError, match=message):
         resources.check(SandboxSpec(**fields), cores=2, total_mb=8000)
     resources.check(SandboxSpec(cpu=2, memory_mb=8000, pids=4, disk_mb=4), cores=2, total_mb=8000)
+
+
+def test_oom_kill_count_reads_the_oom_kill_line_of_either_cgroup_version() -> None:
+    from shoal.cgroups import oom_kill_count
+
+    assert oom_kill_count(b"oom_kill_disable 0\nunder_oom 0\noom_kill 7\n") == 7  # v1 memory.oom_control
+    assert oom_kill_count(b"low 0\nhigh 0\nmax 3\noom 2\noom_kill 2\noom_group_kill 5\n") == 2  # v2 memory.events
+    assert oom_kill_count(b"oom_kill 11") == 11
+    assert oom_kill_count(b"oom_kill_disable 0\nunder_oom 0\n") == 0
+    assert oom_kill_count(b"") == 0
