@@ -2,6 +2,12 @@
 
 Sandboxes that differ only in late-bound fields (env, labels, workdir, files, TTL) share a pool; those
 fields are bound when a sandbox is claimed, so a claim costs a dictionary pop plus at most one agent call.
+
+A burst of claims is served before the pool refills: a refill is a whole create per member, which competes
+with the claims for the node's event loop and the machine's CPU (issue 12: claims p99 10 ms behind their
+own refills). So a claim that leaves the pool at least half full starts the refill only once claims have
+paused for REFILL_PAUSE_S (at the latest REFILL_MAX_DELAY_S after the first), and one that leaves it less
+than half full starts it at once.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ log = logging.getLogger("shoal.pools")
 
 Maker = Callable[[SandboxSpec], Awaitable[Sandbox]]
 Destroyer = Callable[[Sandbox], Awaitable[None]]
+REFILL_PAUSE_S = 0.05
+REFILL_MAX_DELAY_S = 1.0
 
 
 class WarmPools:
@@ -29,6 +37,8 @@ class WarmPools:
         self._inflight: dict[str, int] = {}
         self._refilling: dict[str, asyncio.Task] = {}
         self._slots = asyncio.Semaphore(refill_concurrency)
+        self._deferred: dict[str, tuple[float, asyncio.TimerHandle]] = {}  # key -> (first claim, timer)
+        self._last_claim: dict[str, float] = {}
         self.hits = 0
         self.misses = 0
 
@@ -41,8 +51,28 @@ class WarmPools:
             return None
         sandbox = ready.popleft()
         self.hits += 1
-        self._kick(key)
+        target = self._targets.get(key)
+        if target is None or 2 * len(ready) < target[1]:
+            self._kick(key)
+        else:
+            self._kick_after_claims(key)
         return sandbox
+
+    def _kick_after_claims(self, key: str) -> None:
+        loop = asyncio.get_running_loop()
+        now = self._last_claim[key] = loop.time()
+        if key not in self._deferred:
+            self._deferred[key] = (now, loop.call_later(REFILL_PAUSE_S, self._deferred_kick, key))
+
+    def _deferred_kick(self, key: str) -> None:
+        loop = asyncio.get_running_loop()
+        first, _ = self._deferred[key]
+        due = min(self._last_claim.get(key, first) + REFILL_PAUSE_S, first + REFILL_MAX_DELAY_S)
+        if loop.time() < due:  # claims go on: wait for them to pause
+            self._deferred[key] = (first, loop.call_at(due, self._deferred_kick, key))
+            return
+        del self._deferred[key]
+        self._kick(key)
 
     async def configure(self, spec: SandboxSpec, size: int) -> None:
         """Keep `size` ready sandboxes of `spec`'s shape (0 removes the pool and its sandboxes)."""
@@ -102,6 +132,9 @@ class WarmPools:
     async def drain(self) -> None:
         """Stop refilling and destroy every ready sandbox (node shutdown)."""
         self._targets.clear()
+        for _, timer in self._deferred.values():
+            timer.cancel()
+        self._deferred.clear()
         for task in self._refilling.values():
             task.cancel()
         await asyncio.gather(*self._refilling.values(), return_exceptions=True)
