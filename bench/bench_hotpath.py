@@ -10,8 +10,12 @@ Prints, for the container kind on image busybox:
   - create+exec+close at 16 concurrent; warm-pool claim p50/p99; exec `true` p50/p99; exec throughput over
     16 sandboxes; the trajectory log's added latency per exec (record=True vs record=False);
   - the create rate with 0 and with --live N sandboxes alive (3,000 is the issue's figure: slow, optional).
-Each row sits beside the issue's target with met / not met. `--profile DIR` also records py-spy flame
-stacks of the node (create+close and exec loops) into DIR (needs py-spy, in the [dev] extra, and root).
+Each row sits beside the issue's target with met / not met, and beside the raw limit measured in the same run
+(indented rows): an exec straight to the sandbox's agent socket from this process (the agent's fork and exec
+and one Unix socket, no node, client or log), 16 of those loops at once, an fdatasync on the node's disk (what
+a durable step costs at least), a node round trip that does nothing (`get`), raw `crun exec`.
+`--profile DIR` also records py-spy flame stacks of the node (create+close and exec loops) into DIR (needs
+py-spy, in the [dev] extra, and root).
 CPU-ms is the trustworthy figure on a loaded machine; latencies move with the load.
 """
 
@@ -33,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import BenchNode, pct  # noqa: E402
 
 import shoal  # noqa: E402
+from shoal.guest import AgentClient  # noqa: E402
 
 IMAGE = "busybox"
 TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
@@ -88,6 +93,52 @@ def raw(mode: str, n: int) -> dict:
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(out.stdout)
+
+
+def raw_row(name: str, mode: str, n: int) -> None:
+    """A raw tool's row; a failure of the raw loop (a busy machine) is printed, not fatal to the run."""
+    try:
+        row(name, lat(raw(mode, n)["seconds"]))
+    except subprocess.CalledProcessError as exc:
+        row(name, f"failed: {(exc.stderr or '').strip().splitlines()[-1:]}")
+
+
+def agent_of(sb: shoal.AsyncSandbox) -> AgentClient:
+    """The sandbox's agent socket, reached from this process as the node reaches it."""
+    home = Path(os.environ["SHOAL_HOME"]) / "sandboxes" / sb.id
+    path = home / "agent.sock" if (home / "agent.sock").exists() else home / "agent" / "agent.sock"
+    return AgentClient(str(path))
+
+
+async def raw_agent_exec(agent: AgentClient) -> float:
+    """One exec of `true` straight to the agent: connect, request, pid, exit frame."""
+    t = time.perf_counter()
+    run = await agent.exec_run(["true"], env={"PATH": "/bin:/usr/bin"})
+    try:
+        while run.exit is None and run.error is None:
+            await run.wait(None)
+    finally:
+        run.close()
+    return time.perf_counter() - t
+
+
+def raw_fsync(directory: Path, n: int) -> tuple[list[float], float]:
+    """fdatasync after a 4 KiB overwrite, in the node's home (the log's disk): seconds each, CPU-ms each."""
+    path = directory / "bench-fsync.tmp"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, b"\0" * (1 << 20))
+        os.fsync(fd)
+        seconds, cpu0 = [], time.process_time()
+        for i in range(n):
+            t = time.perf_counter()
+            os.pwrite(fd, b"x" * 4096, (i % 256) * 4096)
+            os.fdatasync(fd)
+            seconds.append(time.perf_counter() - t)
+        return seconds, (time.process_time() - cpu0) * 1e3 / n
+    finally:
+        os.close(fd)
+        path.unlink()
 
 
 class Profiler:
@@ -174,9 +225,15 @@ async def claims(client: shoal.AsyncClient, n: int) -> None:
         claimed.append(await client.create(image=IMAGE, env={"LATE": "1"}, labels={"bench": "claim"}, ttl_s=TTL))
         seconds.append(time.perf_counter() - t)
     await client.set_pool("container", IMAGE, 0)
+    trips = []
+    for sb in claimed:
+        t = time.perf_counter()
+        await client.get(sb.id)
+        trips.append(time.perf_counter() - t)
     await client.close_all(labels={"bench": "claim"})
     p50, p99 = statistics.median(seconds) * 1e3, pct(seconds, 0.99) * 1e3
     row("warm-pool claim", lat(seconds), "<= 1 / 5 ms", p50 <= 1 and p99 <= 5)
+    row("  node round trip that does nothing (get)", lat(trips))
 
 
 async def exec_loop(sb: shoal.AsyncSandbox, n: int) -> list[float]:
@@ -204,6 +261,8 @@ async def execs(client: shoal.AsyncClient, n: int, pid: int, prof: Profiler) -> 
             seconds += await exec_loop(logged, n)
         with Meter(pid) as bare_meter2:
             bare += await exec_loop(unlogged, n)
+        agent = agent_of(unlogged)
+        direct = [await raw_agent_exec(agent) for _ in range(n)]
     finally:
         await logged.close()
         await unlogged.close()
@@ -218,17 +277,27 @@ async def execs(client: shoal.AsyncClient, n: int, pid: int, prof: Profiler) -> 
     added = p50 - statistics.median(bare) * 1e3
     row("trajectory log added per exec (p50)", f"{added:.2f} ms, {node - bare_node:.2f} node CPU-ms", "<= 0.3 ms",
         added <= 0.3)  # fmt: skip
-    rex = raw("crun-exec", max(20, n // 10))
-    row("  raw crun exec true", lat(rex["seconds"]))
+    row("  raw: exec straight to the agent's socket", lat(direct))
+    home = Path(os.environ["SHOAL_HOME"])
+    fsyncs, fsync_cpu = raw_fsync(home, max(50, n // 2))
+    row("  raw: fdatasync on the log's disk", f"{lat(fsyncs)}, {fsync_cpu:.2f} CPU-ms")
+    raw_row("  raw crun exec true", "crun-exec", max(20, n // 10))
 
 
 async def exec_throughput(client: shoal.AsyncClient, per: int, pid: int) -> None:
     made = await client.create_many(16, image=IMAGE, pool=False, ttl_s=TTL, concurrency=8)
     sandboxes = [s for s in made if isinstance(s, shoal.AsyncSandbox)]
+
+    async def direct_loop(agent: AgentClient) -> None:
+        for _ in range(per):
+            await raw_agent_exec(agent)
+
     try:
         await asyncio.gather(*(exec_loop(s, 5) for s in sandboxes))
         with Meter(pid) as meter:
             await asyncio.gather(*(exec_loop(s, per) for s in sandboxes))
+        with Meter(pid) as raw_meter:
+            await asyncio.gather(*(direct_loop(agent_of(s)) for s in sandboxes))
     finally:
         await asyncio.gather(*(s.close() for s in sandboxes))
     total = per * len(sandboxes)
@@ -236,6 +305,8 @@ async def exec_throughput(client: shoal.AsyncClient, per: int, pid: int) -> None
     node, machine = meter.per(total)
     row("exec throughput, 16 sandboxes", f"{rate:.0f}/s (node {node:.2f}, machine {machine:.2f} CPU-ms/op)",
         ">= 2000/s", rate >= 2000)  # fmt: skip
+    raw_rate = total / raw_meter.wall
+    row("  raw: 16 loops straight to the agents", f"{raw_rate:.0f}/s (machine {raw_meter.per(total)[1]:.2f} CPU-ms/op)")
 
 
 async def create_rate(client: shoal.AsyncClient, k: int, pid: int) -> tuple[float, float]:

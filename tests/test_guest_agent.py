@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import tempfile
 import time
@@ -647,3 +648,84 @@ async def test_attach_to_unknown_background_process(agent: Agent) -> None:
     with pytest.raises(AgentError) as info:
         await agent.client.attach(agent.proc.pid, Attached.READ)
     assert info.value.errno == errno.ESRCH
+
+
+# --------------------------------------------------------------------------- ExecRun (the node's exec step)
+
+
+async def finish(run: object, limit: float | None = None) -> None:
+    while run.exit is None and run.error is None:  # type: ignore[attr-defined]
+        await run.wait(limit)  # type: ignore[attr-defined]
+
+
+async def test_exec_run_collects_streams_cut_marks_and_exit(agent: Agent) -> None:
+    run = await agent.client.exec_run(
+        ["sh", "-c", "echo out; echo err >&2; head -c 5000 /dev/zero | tr '\\0' x; exit 3"], env=ENV, cap_bytes=1000
+    )
+    try:
+        assert run.pid > 0 and run.handler_pid not in (None, run.pid)
+        await finish(run)
+    finally:
+        run.close()
+    assert run.exit is not None and (run.exit.exit_code, run.exit.signal) == (3, 0)
+    assert bytes(run.stderr) == b"err\n"
+    omitted = 4 + 5000 - 1000
+    assert bytes(run.stdout) == b"out\n" + b"x" * 496 + cut_marker(omitted) + b"x" * 500
+    assert run.exit.stdout_dropped == omitted and run.chunks is None
+
+
+async def test_exec_run_streams_chunks_in_order_and_feeds_stdin(agent: Agent) -> None:
+    run = await agent.client.exec_run(["sh", "-c", "cat; echo done >&2"], env=ENV, stdin_pipe=True, stream=True)
+    seen: list[tuple[str, bytes]] = []
+    try:
+        await run.send(control_frames(stdin=b"abc", eof=True))
+        while run.exit is None:
+            await run.wait(None)
+            seen += run.chunks or []
+            run.chunks = []
+    finally:
+        run.close()
+    assert b"".join(d for s, d in seen if s == "stdout") == bytes(run.stdout) == b"abc"
+    assert b"".join(d for s, d in seen if s == "stderr") == bytes(run.stderr) == b"done\n"
+    await run.send(control_frames(stdin=b"late"))  # after the exit: dropped, not an error
+
+
+async def test_exec_run_wait_returns_at_its_limit_and_kill_ends_the_tree(agent: Agent) -> None:
+    arg = unique_sleep_arg()
+    run = await agent.client.exec_run(["sh", "-c", f"sleep {arg} & sleep {arg}"], env=ENV)
+    try:
+        t = time.monotonic()
+        await run.wait(time.monotonic() + 0.2)
+        assert run.exit is None and time.monotonic() - t >= 0.19
+        await run.kill(signal.SIGKILL)
+        await finish(run, time.monotonic() + 30)
+    finally:
+        run.close()
+    assert run.exit is not None and run.exit.signal == signal.SIGKILL
+    assert await wait_for(lambda: not procs_with_arg(arg))
+
+
+async def test_exec_run_reports_a_killed_handler_and_closes_the_command(agent: Agent) -> None:
+    arg = unique_sleep_arg()
+    run = await agent.client.exec_run(["sleep", arg], env=ENV)
+    try:
+        assert run.handler_pid is not None
+        os.kill(run.handler_pid, signal.SIGKILL)
+        await finish(run, time.monotonic() + 30)
+        assert run.exit is None and isinstance(run.error, ConnectionError)
+    finally:
+        run.close()
+    for pid in procs_with_arg(arg):  # the command outlives its killed handler (its own session)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def test_exec_run_errors_before_the_start(agent: Agent, workdir: str) -> None:
+    with pytest.raises(ConnectionError, match="missing.sock"):
+        await AgentClient(os.path.join(workdir, "missing.sock")).exec_run(["true"], env=ENV)
+    from shoal.guest.client import ExecRun
+
+    malformed = struct.pack(">IB", 4, ord("E")) + b"\0\0\0"  # an exec request cut short: the agent's 'Z'
+    with pytest.raises(AgentError, match="malformed") as refused:
+        await ExecRun.start(agent.sock_path, malformed, stream=False)
+    assert refused.value.errno == errno.EINVAL
