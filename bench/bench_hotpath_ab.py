@@ -1,0 +1,165 @@
+"""Before/after on a shared, noisy machine: two nodes (one per source tree), the same exec and claim loops
+alternated round by round, so both meet the same load.
+
+    python bench/bench_hotpath_ab.py BEFORE_SRC [AFTER_SRC] [--rounds 4] [--n 100] [--only exec,bare,claim,tput]
+
+BEFORE_SRC / AFTER_SRC are `src` directories of two checkouts (e.g. `git worktree add /tmp/before <commit>`,
+then /tmp/before/src; AFTER_SRC defaults to this tree's). Prints per variant: logged exec `true` (`exec`),
+the same with record=False (`bare`), warm-pool claims (`claim`) and exec throughput over 16 sandboxes
+(`tput`): p50/p99 latency, node CPU-ms per op (utime+stime of each node process from /proc, all threads) and
+the per-round CPU figures, whose spread shows how far the load moved them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import IMAGES, cpu_seconds, pct  # noqa: E402
+
+import shoal  # noqa: E402
+
+IMAGE = "busybox"
+TTL = 600.0
+
+
+def start_node(name: str, src: str) -> str:
+    """A node running the sources in `src`, with its own home and cgroup parent; its home."""
+    home = f"/tmp/shoal-bench-ab-{name}"
+    env = dict(os.environ, PYTHONPATH=src, SHOAL_HOME=home, SHOAL_IMAGES=IMAGES,
+               SHOAL_CGROUP_PARENT=f"shoal-bench-ab-{name}")  # fmt: skip
+    code = "import shoal; c = shoal.Client(); c.status(); c.close()"  # the client starts the node
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
+    return home
+
+
+def stop_node(home: str) -> None:
+    try:
+        pid = int(Path(home, "node.lock").read_text())
+        os.kill(pid, 15)
+    except (OSError, ValueError):
+        return
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+class Variant:
+    def __init__(self, name: str, client: shoal.AsyncClient, pid: int) -> None:
+        self.name, self.client, self.pid = name, client, pid
+        self.seconds: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[float]] = {}
+        self.rates: list[float] = []
+        self.logged: shoal.AsyncSandbox | None = None
+        self.unlogged: shoal.AsyncSandbox | None = None
+
+    def add(self, what: str, seconds: list[float], cpu_ms: float) -> None:
+        self.seconds.setdefault(what, []).extend(seconds)
+        self.cpu.setdefault(what, []).append(cpu_ms)
+
+
+async def exec_round(v: Variant, sb: shoal.AsyncSandbox, what: str, n: int) -> None:
+    seconds, cpu0 = [], cpu_seconds(v.pid)
+    for _ in range(n):
+        t = time.perf_counter()
+        await sb.exec(["true"])
+        seconds.append(time.perf_counter() - t)
+    v.add(what, seconds, (cpu_seconds(v.pid) - cpu0) * 1e3 / n)
+
+
+async def claim_round(v: Variant, n: int) -> None:
+    await v.client.set_pool("container", IMAGE, n, wait=True, ttl_s=TTL)
+    await asyncio.sleep(0.5)  # the pool's last member settles
+    seconds, cpu0 = [], cpu_seconds(v.pid)
+    for _ in range(n):
+        t = time.perf_counter()
+        await v.client.create(image=IMAGE, env={"LATE": "1"}, labels={"ab": "claim"}, ttl_s=TTL)
+        seconds.append(time.perf_counter() - t)
+    v.add("claim", seconds, (cpu_seconds(v.pid) - cpu0) * 1e3 / n)  # a refill past half the pool included
+    await v.client.set_pool("container", IMAGE, 0)
+    await v.client.close_all(labels={"ab": "claim"})
+
+
+async def throughput_round(v: Variant, per: int) -> None:
+    made = await v.client.create_many(16, image=IMAGE, pool=False, ttl_s=TTL, labels={"ab": "tput"}, concurrency=8)
+    sandboxes = [s for s in made if isinstance(s, shoal.AsyncSandbox)]
+
+    async def loop(sb: shoal.AsyncSandbox) -> None:
+        for _ in range(per):
+            await sb.exec(["true"])
+
+    try:
+        cpu0, t = cpu_seconds(v.pid), time.perf_counter()
+        await asyncio.gather(*(loop(s) for s in sandboxes))
+        wall, total = time.perf_counter() - t, per * len(sandboxes)
+        v.rates.append(total / wall)
+        v.add("tput", [], (cpu_seconds(v.pid) - cpu0) * 1e3 / total)
+    finally:
+        await v.client.close_all(labels={"ab": "tput"})
+
+
+async def main(args: argparse.Namespace) -> None:
+    trees = {"before": args.before, "after": args.after}
+    homes: dict[str, str] = {}
+    variants: list[Variant] = []
+    try:
+        for name, src in trees.items():
+            homes[name] = start_node(name, src)
+            client = shoal.AsyncClient(home=homes[name], autostart=False)
+            await client.__aenter__()
+            variants.append(Variant(name, client, (await client.status())["pid"]))
+        for v in variants:
+            v.logged = await v.client.create(image=IMAGE, pool=False, ttl_s=TTL)
+            v.unlogged = await v.client.create(image=IMAGE, pool=False, ttl_s=TTL, record=False)
+            for sb in (v.logged, v.unlogged):
+                for _ in range(10):
+                    await sb.exec(["true"])
+        only = args.only.split(",")
+        for r in range(args.rounds):
+            for v in variants if r % 2 == 0 else variants[::-1]:  # alternate who goes first
+                if "exec" in only:
+                    await exec_round(v, v.logged, "exec", args.n)  # type: ignore[arg-type]
+                if "bare" in only:
+                    await exec_round(v, v.unlogged, "bare", args.n)  # type: ignore[arg-type]
+                if "claim" in only:
+                    await claim_round(v, min(args.n, 30))
+                if "tput" in only:
+                    await throughput_round(v, max(5, args.n // 4))
+    finally:
+        for v in variants:
+            for sb in (v.logged, v.unlogged):
+                if sb is not None:
+                    await sb.close()
+            await v.client.__aexit__(None, None, None)
+        for home in homes.values():
+            stop_node(home)
+    print(f"load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds of n={args.n}, alternated")
+    for what in args.only.split(","):
+        for v in variants:
+            cpu = v.cpu.get(what, [])
+            rounds = ", ".join(f"{c:.2f}" for c in cpu)
+            if what == "tput":
+                rate, node = statistics.median(v.rates), statistics.median(cpu)
+                print(f"  {what:<5} {v.name:<6} {rate:7.0f}/s       node {node:.2f} CPU-ms/op ({rounds})")
+                continue
+            s = v.seconds[what]
+            p50, p99 = statistics.median(s) * 1e3, pct(s, 0.99) * 1e3
+            print(f"  {what:<5} {v.name:<6} p50 {p50:6.2f} ms p99 {p99:7.2f} ms  node {statistics.median(cpu):.2f} "
+                  f"CPU-ms/op ({rounds})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("before", help="src directory of the 'before' tree")
+    parser.add_argument("after", nargs="?", default=str(Path(__file__).resolve().parents[1] / "src"))
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--n", type=int, default=100, help="execs per round (claims: at most 30)")
+    parser.add_argument("--only", default="exec,bare,claim,tput")
+    asyncio.run(main(parser.parse_args()))
