@@ -48,10 +48,7 @@ def oom_kills(path: str) -> int:
     Read twice per exec (before and after): three syscalls and a bytes search, no file object (Python's
     open() in text mode costs more than the kernel's answer)."""
     rel = path.lstrip("/")
-    if layout() == "v2":
-        name = f"{ROOT}/{rel}/memory.events"
-    else:
-        name = f"{ROOT}/memory/{rel}/memory.oom_control"
+    name = f"{ROOT}/{rel}/memory.events" if layout() == "v2" else f"{ROOT}/memory/{rel}/memory.oom_control"
     try:
         fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
