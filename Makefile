@@ -4,12 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # chromium + chromium-driver: tests/test_console.py drives the web console in Debian's headless chromium (selenium)
 # novnc: the live view of a screen (shoal/view.py serves /usr/share/novnc; tests/test_gui.py loads it in chromium)
-APT_PACKAGES := crun runc runsc bubblewrap mmdebstrap busybox-static erofs-utils iproute2 nftables e2fsprogs \
+APT_PACKAGES := crun runc bubblewrap mmdebstrap busybox-static erofs-utils iproute2 nftables e2fsprogs \
 	qemu-system-x86 qemu-utils gcc libc6-dev make psmisc procps file util-linux \
 	skopeo umoci docker-registry openssl chromium chromium-driver novnc
 PYTHON ?= python3
 
-.PHONY: setup demo test test-fast bench bench-vm lint settings-doc clean-state apt venv agent images vm-images
+.PHONY: setup demo test test-fast bench bench-vm lint settings-doc clean-state apt runsc venv agent images vm-images
 
 setup: apt venv agent images
 
@@ -19,6 +19,28 @@ apt:
 		echo "installing Debian packages: $$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
+	@$(MAKE) --no-print-directory runsc
+
+# gVisor: bookworm's runsc (0.0~20221219) has only the ptrace and KVM platforms, where every guest process costs
+# host stub processes (docs/SECURITY.md); bookworm-backports carries 0.0~20240729, which has systrap. On bookworm
+# the backports suite is added the Debian way (a sources entry on the same mirror) unless apt already has it;
+# other releases take their own runsc (trixie's is newer than the backport).
+RUNSC_MIN := 0.0~20240729
+runsc:
+	@have=$$(dpkg-query -W -f='$${Version}' runsc 2>/dev/null); \
+	if [ -n "$$have" ] && dpkg --compare-versions "$$have" ge '$(RUNSC_MIN)'; then exit 0; fi; \
+	. /etc/os-release; \
+	if [ "$$VERSION_CODENAME" != bookworm ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq runsc >/dev/null; exit $$?; \
+	fi; \
+	if ! grep -Eqs '^[^#]*bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/*; then \
+		echo "adding Debian's bookworm-backports suite (for runsc $(RUNSC_MIN))"; \
+		printf '%s\n' 'Types: deb' 'URIs: http://deb.debian.org/debian' 'Suites: bookworm-backports' \
+			'Components: main' 'Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg' \
+			> /etc/apt/sources.list.d/shoal-bookworm-backports.sources; \
+	fi; \
+	echo "installing runsc from bookworm-backports"; \
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -t bookworm-backports runsc >/dev/null
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -163,7 +163,11 @@ DEFAULT_DISK_MB: Setting[int] = _declare(
     "SHOAL_DEFAULT_DISK_MB", int, None, SANDBOX_KINDS,
     "Disk cap (MB) of containers that name no `disk_mb`.", fallback="no cap",
 )  # fmt: skip
-RUNSC_PLATFORM: Setting[str] = _declare("SHOAL_RUNSC_PLATFORM", str, "ptrace", SANDBOX_KINDS, "gVisor's platform.")
+RUNSC_PLATFORM: Setting[str] = _declare(
+    "SHOAL_RUNSC_PLATFORM", str, None, SANDBOX_KINDS,
+    "gVisor's platform (`systrap`, `ptrace` or `kvm`; KVM only when named: it needs VMX/SVM a guest can use).",
+    fallback="systrap if the installed runsc has it, else ptrace",
+)  # fmt: skip
 FN_MEMORY_MB: Setting[int] = _declare(
     "SHOAL_FN_MEMORY_MB", int, 1024, SANDBOX_KINDS, "Memory limit (MB) of one function call without `memory_mb`."
 )

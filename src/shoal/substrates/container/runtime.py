@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shutil
 import signal
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +15,26 @@ from shoal import linux, settings, spawn
 from shoal.errors import InvalidRequestError, SandboxLostError
 
 RUNTIMES = ("crun", "runc", "runsc")
+
+
+@functools.cache
+def runsc_platform(binary: str) -> str:
+    """gVisor's platform for this node: SHOAL_RUNSC_PLATFORM, else systrap when this runsc has it, else ptrace.
+
+    systrap (gVisor since 2023, bookworm-backports' runsc) runs guest code in host stub threads it reuses, so a
+    guest process costs a few host pids; ptrace (bookworm's 2022 runsc) costs a stub process per address space
+    plus a thread per sentry thread that ever ran it, never given back (docs/SECURITY.md, runsc pids). KVM is
+    never chosen by itself: it needs VMX/SVM a guest can really use (under nested PVM here it hangs).
+    """
+    chosen = settings.RUNSC_PLATFORM.get()
+    if chosen:
+        return chosen
+    try:
+        listing = subprocess.run([binary, "flags"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30)
+        flags = listing.stdout.decode(errors="replace")  # runsc prints its flags on stderr
+    except (OSError, subprocess.TimeoutExpired):
+        flags = ""
+    return "systrap" if "systrap" in flags else "ptrace"
 
 
 @dataclass(frozen=True)
@@ -39,8 +61,8 @@ class OciRuntime:
         return self.name != "runsc"
 
     def _base(self) -> list[str]:
-        if self.name == "runsc":  # ptrace: gVisor's KVM platform needs real VMX/SVM (doctor says which)
-            platform = settings.RUNSC_PLATFORM.get()
+        if self.name == "runsc":
+            platform = runsc_platform(self.binary)
             # --oci-seccomp: the bundle's profile for runsc is oci.py's gvisor_profile (PID 1 unsignalable)
             return [self.binary, "--root", str(self.state_root), "--platform", platform, "--network", "none",
                     "--host-uds", "create", "--oci-seccomp"]  # fmt: skip
