@@ -139,7 +139,10 @@ def isolation_checks() -> list[Check]:
         else:
             root = "root → host root (SHOAL_USERNS maps crun sandboxes only)"
         if name == "runsc":
-            detail = "gVisor: a user-space kernel serves every syscall (OCI seccomp not applied); " + profile + root
+            from shoal.substrates.container.runtime import runsc_platform
+
+            detail = f"gVisor {version.split()[2] if len(version.split()) > 2 else '?'} on {runsc_platform(path)}: "
+            detail += "a user-space kernel serves every syscall (OCI seccomp not applied); " + profile + root
             detail += "; no network policy yet (no host pid)"
         else:
             detail = filters + profile + root
