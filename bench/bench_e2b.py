@@ -7,7 +7,8 @@ Rows (sequential, one at a time, on one node over TCP with a token, the E2B serv
 - `commands.run("true")`: the SDK runs `/bin/bash -l -c true` in the sandbox; the native rows run the same
   argv as an exec and as a background process followed to its end (what the layer starts), and
   `exec("true")` for reference.
-- the same through the E2B API served inside the node process (SHOAL_E2B): no extra process on the path.
+- the same through the E2B API served inside the node process (SHOAL_E2B): no extra process on the path,
+  and no socket between the API and the node's dispatcher (cluster/inproc.py).
 - create -> run `true` -> kill.
 CPU-ms per op are the client process's and the E2B server's (from /proc), so the layer's own cost shows.
 The machine is shared: compare rows within one run, not across runs.
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import cpu_seconds, pct  # noqa: E402
 
 SDK_ARGV = ["/bin/bash", "-l", "-c", "true"]  # what e2b's commands.run("true") asks envd to start
+TARGET_MS = 2.0  # issue 13: the compatibility layer adds <= 2 ms p50 per command
 
 
 def background(sb: shoal.Sandbox) -> None:
@@ -112,12 +114,16 @@ def main() -> None:
                 native.close()
                 sbx.kill()
                 sbx_in.kill()
-            extra = p50["e2b     sbx.commands.run('true')"] - p50["native  sb.exec(bash -l -c true, streamed)"]
-            print(f"  -> the E2B layer adds {extra:.2f} ms p50 per command (vs the same streamed exec)")
+            base = p50["native  sb.exec(bash -l -c true, streamed)"]
+            print(f"  -> the E2B layer's cost per command over that streamed exec (target <= {TARGET_MS:g} ms p50):")
+            for label, row in (
+                ("via `shoal e2b serve` (own process)", "e2b     sbx.commands.run('true')"),
+                ("served inside the node (SHOAL_E2B)", "e2b     (served in the node) same"),
+            ):
+                extra = p50[row] - base
+                print(f"     {label:<38} +{extra:5.2f} ms p50  {'met' if extra <= TARGET_MS else 'not met'}")
             extra = p50["e2b     sbx.commands.run('true')"] - p50["native  background bash -l -c true, streamed"]
             print(f"  -> {extra:.2f} ms p50 over the same background process natively (what the layer starts)")
-            extra = p50["e2b     (served in the node) same"] - p50["native  sb.exec(bash -l -c true, streamed)"]
-            print(f"  -> served in the node: {extra:.2f} ms p50 per command")
 
             print(f"create -> run true -> kill, {args.creates} of each, interleaved:")
 

@@ -8,7 +8,7 @@ import os
 import socket
 import stat as stat_module
 import warnings
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -90,6 +90,7 @@ class AsyncClient:
         project: str | None = None,
         owner: str | None = None,
         tls_ca: str | None = None,
+        connector: Callable[[], Awaitable[Any]] | None = None,
     ) -> None:
         # stamped on every sandbox this client creates (`list` shows it; the reaper's logs name it)
         self.owner = owner or settings.OWNER.get() or f"{getpass.getuser()}@{socket.gethostname()}"
@@ -105,6 +106,9 @@ class AsyncClient:
         self._endpoints = _endpoints(address) if address and address.startswith(("shoal://", "shoals://")) else []
         self._next = 0
         self._conn: Connection | None = None
+        # opens the connection instead of `address`: a process that hosts the node (or gateway) hands its own
+        # in-process one to the services it runs for callers (the E2B API inside a node, cluster/inproc.py)
+        self._connector = connector
         self._connecting = asyncio.Lock()
         self._tasks = TaskOwner("shoal client")  # releases of sandboxes whose create was cancelled
 

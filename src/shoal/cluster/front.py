@@ -104,10 +104,14 @@ async def serve_network(server: NodeServer, paths: Any, stop: asyncio.Event) -> 
     if e2b_where:
         if not where:
             raise NodeError("SHOAL_E2B is set but SHOAL_TCP is not: E2B's API is served over the node's TCP protocol")
+        from shoal.cluster.inproc import connector
         from shoal.e2b.server import default_target, own_address, start
 
         host, port = tcp.sockets[0].getsockname()[:2]
-        closers.append(await start(default_target(own_address(host, port)), e2b_where, paths.home / "node.e2b"))
+        address = own_address(host, port)  # what the API names (URLs it hands out); its requests skip the socket
+        projects = server.projects  # type: ignore[attr-defined] - set by listen()
+        target = default_target(address, connector(server, lambda: ProjectSession(projects), address))
+        closers.append(await start(target, e2b_where, paths.home / "node.e2b"))
     http_where = HTTP.get()
     if http_where:
         from shoal.cluster.http import serve_node_http

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from shoal.client.aio import AsyncClient, AsyncSandbox
 from shoal.errors import AuthenticationError, SandboxNotFoundError
@@ -18,6 +20,9 @@ from shoal.errors import AuthenticationError, SandboxNotFoundError
 # labels this layer keeps on a sandbox for itself; they are not part of the user's E2B metadata
 TEMPLATE_LABEL = "e2b.template"
 RESERVED_PREFIX = "e2b."
+# images whose E2B sandboxes start without shoal's own X display: e2b-desktop starts `Xvfb :0` itself, at the
+# resolution its create asks for, then Xfce on it (docs/E2B.md)
+SELF_DISPLAY_IMAGES = ("desktop",)
 MAX_CLIENTS = 64
 MAX_HANDLES = 4096
 
@@ -25,10 +30,13 @@ MAX_HANDLES = 4096
 @dataclass(frozen=True)
 class Target:
     """Where shoal is: an address for `AsyncClient` (`shoal://host:port` or a node's Unix socket) or None
-    for the local node, plus the template -> image map ("base" is E2B's default template)."""
+    for the local node, plus the template -> image map ("base" is E2B's default template). A node serving
+    E2B's API in its own process gives a `connector` (token -> opener of an in-process connection,
+    cluster/inproc.py): its callers then reach it without a socket, with the same checks as over TCP."""
 
     address: str | None = None
     templates: tuple[tuple[str, str], ...] = (("base", "debian"),)
+    connector: Callable[[str | None], Callable[[], Awaitable[Any]]] | None = None
 
     def image_for(self, template: str) -> str:
         return dict(self.templates).get(template, template)
@@ -52,7 +60,13 @@ class Backend:
         async with self._lock:
             client = self._clients.get(key)
             if client is None:
-                client = AsyncClient(self.target.address, token=token or None, owner="e2b")
+                connect = self.target.connector
+                client = AsyncClient(
+                    self.target.address,
+                    token=token or None,
+                    owner="e2b",
+                    connector=connect(token or None) if connect else None,
+                )
                 try:
                     await client.connect()
                 except BaseException:

@@ -225,9 +225,10 @@ def own_address(host: str, port: int) -> str:
     return f"{scheme}[{local}]:{port}" if ":" in local else f"{scheme}{local}:{port}"
 
 
-def default_target(address: str) -> Target:
-    """`address` with the built-in template map (base and the code interpreter's templates)."""
-    return Target(address, tuple({**dict(Target().templates), **interpreter.TEMPLATES}.items()))
+def default_target(address: str, connector: Any = None) -> Target:
+    """`address` with the built-in template map (base and the code interpreter's templates); `connector`: see
+    Target (a node serving the API in its own process)."""
+    return Target(address, tuple({**dict(Target().templates), **interpreter.TEMPLATES}.items()), connector)
 
 
 def main(argv: list[str] | None = None) -> int:

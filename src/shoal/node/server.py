@@ -101,6 +101,11 @@ class NodeServer:
         await send(Response(id=request.id, result={"port": target.port}))
         await portrelay.pipe(client, upstream)
 
+    async def serve_request(self, request: Request, send: Callable[[Response], Any], session: Any = None) -> None:
+        """Answer one request through `send` (its events, then its response), as for a request read from a
+        connection: an in-process caller (cluster/inproc.py) skips the socket, not the checks."""
+        await self._serve(request, send, session)
+
     def _local_identity(self) -> dict[str, Any]:
         """`auth` on the Unix socket: whoever can open it is root on this machine, the node's admin."""
         return {"node_id": self.service.settings.node_id, "project": None, "cluster": True}
