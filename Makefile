@@ -55,7 +55,8 @@ venv: $(VENV)/.installed
 agent: venv
 	@$(PY) -c "from shoal.guest import agent_binary_path; print('agent:', agent_binary_path())"
 
-# desktop (Xvfb + xterm + xdotool + python3-xlib, for tests/test_gui.py): about 4 minutes on a loaded 2-core machine
+# desktop (Xvfb + xterm + xdotool + python3-xlib for tests/test_gui.py; Xfce, scrot, noVNC for
+# tests/test_e2b_desktop.py): about 5 minutes on a loaded 2-core machine
 images: venv vm-images
 	@$(PY) -m shoal.images.builtin busybox debian debian-dev desktop
 

@@ -91,6 +91,12 @@ def test_a_sandbox_without_a_screen_says_so(client: shoal.Client) -> None:
         sb.gui.screenshot()
     with pytest.raises(shoal.InvalidRequestError, match="screen"):
         client.create("container", image="desktop", screen=(1, 2), pool=False, ttl_s=60)
+    # screen=False: the desktop image's programs without shoal's display (e2b-desktop starts its own Xvfb :0)
+    with client.create("container", image="desktop", screen=False, pool=False, ttl_s=120) as sb:
+        assert "Xvfb" not in sb.exec("ps -eo args").stdout
+        assert sb.exec("command -v Xvfb scrot startxfce4 x11vnc websockify").exit_code == 0
+        with pytest.raises(shoal.NoScreenError):
+            sb.gui.screenshot()
 
 
 async def test_async_gui_and_a_paused_desktop(aclient: shoal.AsyncClient) -> None:

@@ -60,7 +60,7 @@ class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     trajectory: str | None = None  # late-bound: a name; create() with a live trajectory's name attaches
     record: bool = True  # late-bound: log every step (durably, before its result returns)
     snapshot: str | None = None  # microvm/vm: restore this snapshot (memory + disk) instead of booting
-    screen: list[int] | None = None  # [width, height]: start an X display (image 'desktop' defaults to 1280x800)
+    screen: list[int] | None = None  # [width, height]: start an X display (image 'desktop': 1280x800); []: none
 
     def pool_key(self) -> str:
         """Sandboxes that differ only in late-bound fields share a warm pool."""
@@ -68,6 +68,8 @@ class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
         image = "+".join([self.image, *self.layers])
         disk = f":disk={self.disk_mb}" if self.disk_mb else ""
         screen = f":screen={self.screen[0]}x{self.screen[1]}" if self.screen else ""
+        if self.screen == []:  # no display: not the same sandboxes as the image's default screen
+            screen = ":screen=none"
         return f"{self.kind}:{image}:{self.runtime}:cpu={cpu}:mem={self.memory_mb}:pids={self.pids}{disk}{screen}"
 
 

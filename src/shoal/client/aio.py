@@ -120,6 +120,8 @@ class AsyncClient:
         return self
 
     async def _open(self) -> Connection:
+        if self._connector is not None:
+            return await self._connector()
         if self.ray_address is not None:
             if self._endpoints:
                 try:
@@ -257,7 +259,7 @@ class AsyncClient:
         snapshot: str | None = None,
         preimport: Sequence[str] | None = None,
         owner: str | None = None,
-        screen: tuple[int, int] | None = None,
+        screen: tuple[int, int] | None | Literal[False] = None,
     ) -> AsyncSandbox:
         """Create a sandbox (from a warm pool when one matches) and return a handle on it.
 
@@ -294,7 +296,8 @@ class AsyncClient:
             preimport: function kind: modules its warm workers import before forking calls.
             owner: who made it, shown by `list`; default this client's owner (user@host).
             screen: (width, height) of an X display started with it, driven through `sb.gui`; image
-                "desktop" has one of 1280x800 by default.
+                "desktop" has one of 1280x800 by default; False: none, the image's programs only (a caller that
+                starts its own X server, as e2b-desktop does).
         """
         options: dict[str, Any] = {
             "layers": list(layers or []), "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb, "pids": pids,
@@ -302,7 +305,7 @@ class AsyncClient:
             "env": env or {}, "workdir": workdir, "user": user, "labels": labels or {}, "files": files or {},
             "network": network, "output_cap_bytes": output_cap_bytes, "pool": pool, "trajectory": trajectory,
             "record": record, "snapshot": snapshot, "preimport": list(preimport or []),
-            "owner": owner or self.owner, "screen": list(screen) if screen else None,
+            "owner": owner or self.owner, "screen": _screen(screen),
         }  # fmt: skip
         spec = _spec(kind, image, options)
 
@@ -544,6 +547,13 @@ def _is_rpc(fn: Any, args: tuple, options: dict[str, Any]) -> bool:
         and all(a is None or isinstance(a, dict) for a in args)
         and set(options) <= {"on_event", "on_orphan"}
     )
+
+
+def _screen(screen: tuple[int, int] | None | Literal[False]) -> list[int] | None:
+    """The wire form of `create(screen=...)`: [w, h], None (the image's default) or [] (no display)."""
+    if screen is False:
+        return []
+    return list(screen) if screen else None
 
 
 def reachable_url(url: str, client: AsyncClient) -> str:

@@ -7,7 +7,7 @@ import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from shoal.client.aio import (
     DEFAULT_TIMEOUT,
@@ -118,7 +118,7 @@ class Client:
         snapshot: str | None = None,
         preimport: Sequence[str] | None = None,
         owner: str | None = None,
-        screen: tuple[int, int] | None = None,
+        screen: tuple[int, int] | None | Literal[False] = None,
     ) -> Sandbox:
         # the docstring is AsyncClient.create's (carried below), with the same signature
         options = {k: v for k, v in locals().items() if k not in ("self", "kind", "image")}

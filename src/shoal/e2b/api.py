@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from shoal.client.aio import AsyncSandbox, reachable_url
-from shoal.e2b.backend import RESERVED_PREFIX, TEMPLATE_LABEL, Backend
+from shoal.e2b.backend import RESERVED_PREFIX, SELF_DISPLAY_IMAGES, TEMPLATE_LABEL, Backend
 from shoal.errors import (
     AuthenticationError,
     CapacityError,
@@ -181,6 +181,7 @@ class ControlPlane:
                 env=dict(body.get("envVars") or {}),
                 labels={**metadata, TEMPLATE_LABEL: template},
                 on_timeout="pause" if body.get("autoPause") else "kill",
+                screen=False if image in SELF_DISPLAY_IMAGES else None,
             )
         except ImageNotFoundError as exc:
             raise ImageNotFoundError(f"template {template!r} (image {image!r}) does not exist: {exc}") from None

@@ -16,9 +16,12 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEBIAN_SUITE = settings.DEBIAN_SUITE.get()
 DEBIAN_PACKAGES = ["bash", "coreutils", "python3", "ca-certificates", "procps"]
 DEBIAN_DEV_PACKAGES = [*DEBIAN_PACKAGES, "gcc", "g++", "libc6-dev"]
-# Small on purpose (no window manager, no browser): Xvfb, a terminal, xdotool/xwd for hand-driving,
-# python3-xlib for the in-sandbox GUI helper (XTest input, GetImage screenshots) the node talks to, and
-# x11vnc for the live view. Its recipe is recorded: a store holding an older desktop rebuilds it.
+# Small on purpose (no browser, no office): Xvfb, a terminal, xdotool/xwd for hand-driving, python3-xlib for
+# the in-sandbox GUI helper (XTest input, GetImage screenshots) the node talks to, and x11vnc for the live view.
+# The rest is what the unmodified e2b-desktop SDK runs through commands (docs/E2B.md): `startxfce4` (a minimal
+# Xfce: session, window manager, desktop; no panel, no file manager), `scrot`, `xrandr`, `netstat`, `xdg-open`,
+# `gtk-launch`, and noVNC's `novnc_proxy` under /opt/noVNC with websockify. Recommends are never installed.
+# Its recipe is recorded: a store holding an older desktop rebuilds it.
 DESKTOP_PACKAGES = [
     *DEBIAN_PACKAGES,
     "xvfb",
@@ -29,8 +32,27 @@ DESKTOP_PACKAGES = [
     "x11-apps",
     "python3-xlib",
     "x11vnc",  # the live view (shoal/view.py): VNC of the display on 127.0.0.1:5900, relayed by the node
+    # e2b-desktop (2.7.2) runs these by name:
+    "xfce4-session",  # startxfce4, xfce4-session
+    "xfwm4",
+    "xfdesktop4",
+    "dbus-x11",  # dbus-launch: startxfce4's xinitrc starts the session bus with it
+    "scrot",  # screenshot()
+    "x11-xserver-utils",  # xrandr: get_screen_size()
+    "net-tools",  # netstat: stream.start() waits for noVNC's port with it
+    "websockify",  # noVNC's proxy (stream.start())
+    "xdg-utils",  # xdg-open: open()
+    "libgtk-3-bin",  # gtk-launch: launch()
 ]
+# noVNC's web client and novnc_proxy, unpacked from Debian's `novnc` package without installing it: the package
+# depends on nodejs (≈90 MB, for developer scripts the proxy never runs); e2b-desktop starts
+# /opt/noVNC/utils/novnc_proxy, which runs the installed websockify.
+_NOVNC_HOOK = (
+    'chroot "$1" sh -ec "cd /tmp && apt-get download -q novnc && dpkg-deb -x novnc_*.deb / && rm -f novnc_*.deb'
+    ' && ln -s /usr/share/novnc /opt/noVNC"'
+)
 
+_HOSTS = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 _SKELETON_DIRS = ["proc", "sys", "dev", "tmp", "etc", "root", "work", "run", "var/tmp", ".shoal"]
 _PASSWD = "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
 _GROUP = "root:x:0:\nnogroup:x:65534:\n"
@@ -58,8 +80,9 @@ def build_busybox(rootfs: Path) -> ImageConfig:
     return ImageConfig(env={"PATH": DEFAULT_PATH, "HOME": "/root"}, shell=["/bin/sh"])
 
 
-def build_debian(rootfs: Path, packages: list[str] = DEBIAN_PACKAGES) -> ImageConfig:
-    """Debian minbase with bash, coreutils and python3, from the host's apt sources."""
+def build_debian(rootfs: Path, packages: list[str] = DEBIAN_PACKAGES, hooks: tuple[str, ...] = ()) -> ImageConfig:
+    """Debian minbase with bash, coreutils and python3, from the host's apt sources; `hooks` are mmdebstrap
+    customize hooks (shell commands run with the new root as $1)."""
     if shutil.which("mmdebstrap") is None:
         raise ImageError("mmdebstrap is not installed: `apt-get install mmdebstrap`")
     sources = _host_apt_sources()
@@ -71,6 +94,7 @@ def build_debian(rootfs: Path, packages: list[str] = DEBIAN_PACKAGES) -> ImageCo
         "--dpkgopt=path-exclude=/usr/share/doc/*",
         "--dpkgopt=path-exclude=/usr/share/man/*",
         "--dpkgopt=path-exclude=/usr/share/locale/*",
+        *(f"--customize-hook={hook}" for hook in hooks),
         DEBIAN_SUITE,
         str(rootfs),
         *sources,
@@ -83,6 +107,9 @@ def build_debian(rootfs: Path, packages: list[str] = DEBIAN_PACKAGES) -> ImageCo
         )
     for sub in ["work", ".shoal"]:
         (rootfs / sub).mkdir(exist_ok=True)
+    hosts = rootfs / "etc" / "hosts"
+    if not hosts.exists():  # mmdebstrap writes none: without it `localhost` does not resolve (noVNC's proxy)
+        hosts.write_text(_HOSTS)
     return ImageConfig(env={"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8"}, shell=["/bin/bash"])
 
 
@@ -92,8 +119,9 @@ def build_debian_dev(rootfs: Path) -> ImageConfig:
 
 
 def build_desktop(rootfs: Path) -> ImageConfig:
-    """`debian` plus Xvfb, xterm, xdotool, x11-utils/x11-apps and python3-xlib: a screen for GUI agents."""
-    config = build_debian(rootfs, DESKTOP_PACKAGES)
+    """`debian` plus Xvfb, xterm, xdotool, x11-utils/x11-apps and python3-xlib: a screen for GUI agents; and
+    a minimal Xfce, scrot and noVNC for e2b-desktop."""
+    config = build_debian(rootfs, DESKTOP_PACKAGES, hooks=(_NOVNC_HOOK,))
     config.env["DISPLAY"] = ":0"
     return config
 
@@ -112,7 +140,9 @@ def register_builtins(store: ImageStore) -> ImageStore:
     store.register_builtin("busybox", build_busybox)
     store.register_builtin("debian", build_debian)
     store.register_builtin("debian-dev", build_debian_dev)
-    store.register_builtin("desktop", build_desktop, recipe=" ".join([DEBIAN_SUITE, *DESKTOP_PACKAGES]))
+    store.register_builtin(
+        "desktop", build_desktop, recipe=" ".join([DEBIAN_SUITE, *DESKTOP_PACKAGES, _NOVNC_HOOK, _HOSTS])
+    )
     return store
 
 

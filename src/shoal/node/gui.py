@@ -31,7 +31,11 @@ _U32 = struct.Struct(">I")
 
 
 def screen_of(image: str, screen: list[int] | None) -> tuple[int, int] | None:
-    """The screen a sandbox gets: the requested one, the default for desktop images, or None."""
+    """The screen a sandbox gets: the requested one, the default for desktop images, or None (also for an
+    empty size: `create(screen=False)`, a desktop image whose caller starts its own X server, as e2b-desktop
+    does on display :0)."""
+    if screen is not None and len(screen) == 0:
+        return None
     if screen is None:
         return DEFAULT_SCREEN if image in SCREEN_IMAGES else None
     if len(screen) != 2 or not all(isinstance(v, int) and 16 <= v <= 8192 for v in screen):
