@@ -108,6 +108,26 @@ def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dic
             "nft": nft, "loops": loops, "vm_files": vm_files, "layers": layer_mounts(home)}  # fmt: skip
 
 
+def sandbox_roots(home: Path, cgroup_parent: str) -> list[str]:
+    """Agents of the node at `home` whose root is their sandbox's overlay (upper under home/sandboxes).
+
+    crun and runc sandboxes mount their overlay only in a mount namespace of their own (mountns.py): the
+    host's table (`leftovers()["mounts"]`) never shows it; it lives exactly as long as the sandbox's processes."""
+    upper = f"upperdir={home}/sandboxes/"
+    found = []
+    for pid in leftovers(home, cgroup_parent)["agents"]:
+        try:
+            lines = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            fields, _, fs = line.partition(" - ")
+            if fields.split()[4] == "/" and fs.startswith("overlay ") and upper in fs:
+                found.append(pid)
+                break
+    return found
+
+
 def _parent_is_agent(proc: Path) -> bool:
     try:
         ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
@@ -274,7 +294,7 @@ def sweep_dead_run(parent: str) -> list[str]:
     """Remove what the killed run owning cgroup `parent` left: its node (stopped with SIGTERM, so it closes its
     sandboxes and network as usual; SIGKILL if it hangs), then whatever is still there: processes in the
     parent's cgroups, the mounts of its sandboxes (found by sandbox ID, which is the cgroup's name) and the
-    node's shared sandboxes mount, and the cgroups. Returns what it did, for the session's log."""
+    node's shared sandboxes mount (holding a directory of such an ID), and the cgroups. Returns what it did, for the session's log."""
     from shoal import cgroups
 
     done = []
@@ -317,6 +337,10 @@ def sweep_dead_run(parent: str) -> list[str]:
             home, marker, rest = target.partition(f"/sandboxes/{sandbox_id}")
             if marker and rest[:1] in ("", "/"):
                 targets += [target, home + "/sandboxes"]
+        # the node's shared sandboxes mount, found by a sandbox directory in it (crun/runc sandboxes mount
+        # their overlays in namespaces of their own, so no mount of theirs points at it)
+        if target.endswith("/sandboxes") and any(os.path.isdir(f"{target}/{i}") for i in ids):
+            targets.append(target)
     for target in sorted(set(targets), key=len, reverse=True):  # deepest first
         if subprocess.run(["umount", "-l", target], capture_output=True).returncode == 0:
             done.append(f"unmounted {target}")

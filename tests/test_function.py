@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import IMAGES, NodeProcess, leftovers, no_leftovers
+from conftest import IMAGES, NodeProcess, no_leftovers, sandbox_roots
 
 import shoal
 from shoal import FunctionError
@@ -406,7 +406,7 @@ def test_killed_node_leaves_no_workers() -> None:
         client.set_pool("function", "debian", size=2, wait=True)
         assert client.call("'warm'") == "warm"
     doomed.stop(signal.SIGKILL)
-    assert len(leftovers(doomed.home, doomed.cgroup_parent)["mounts"]) == 2  # the workers outlived the node
+    assert len(sandbox_roots(doomed.home, doomed.cgroup_parent)) == 2  # the workers outlived the node
     restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
     try:
         assert not no_leftovers(restarted.home, restarted.cgroup_parent)

@@ -8,7 +8,7 @@ import signal
 import time
 
 import pytest
-from conftest import NodeProcess, leftovers, no_leftovers
+from conftest import NodeProcess, leftovers, no_leftovers, sandbox_roots
 
 import shoal
 from shoal.config import default_memory_mb
@@ -69,7 +69,9 @@ def test_killed_node_is_reconciled_on_restart(tmp_path) -> None:  # noqa: ANN001
         client.set_pool(image="busybox", size=1, wait=True)  # warm members are not adoptable: removed
     doomed.stop(signal.SIGKILL)
     found = leftovers(doomed.home, doomed.cgroup_parent)
-    assert len(found["agents"]) == 6 and len(found["mounts"]) == 6  # still running after the crash
+    assert len(found["agents"]) == 6  # still running after the crash, each on its overlay, which is mounted
+    assert len(sandbox_roots(doomed.home, doomed.cgroup_parent)) == 6  # in its own namespace only
+    assert found["mounts"] == []
     dead = sandboxes[:2]
     for sb in dead:  # these die while no node watches them
         os.kill(int((doomed.home / "sandboxes" / sb.id / "pid").read_text()), signal.SIGKILL)
@@ -78,7 +80,7 @@ def test_killed_node_is_reconciled_on_restart(tmp_path) -> None:  # noqa: ANN001
         with restarted.client() as client:
             assert sorted(client.status()["adopted"]) == sorted(s.id for s in sandboxes[2:])
             assert {s.id for s in dead} <= set(client.status()["lost"])
-            assert len(leftovers(restarted.home, restarted.cgroup_parent)["mounts"]) == 3
+            assert len(sandbox_roots(restarted.home, restarted.cgroup_parent)) == 3
             client.close_all()
         assert not no_leftovers(restarted.home, restarted.cgroup_parent)
     finally:

@@ -12,6 +12,7 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 _libc.unshare.argtypes = [ctypes.c_int]
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
@@ -50,6 +51,10 @@ def umount(target: str, flags: int = MNT_DETACH) -> None:
 
 def unshare(flags: int) -> None:
     _check(_libc.unshare(flags), "unshare")
+
+
+def setns(fd: int, nstype: int) -> None:
+    _check(_libc.setns(fd, nstype), "setns")
 
 
 def mountpoints() -> dict[str, str]:

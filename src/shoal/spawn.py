@@ -7,9 +7,14 @@ A cancelled wait kills and reaps the child, so a cancelled create leaves no stra
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+
+# Calls a spawn (a function returning the child's pid) where it must run; awaits its pid.
+Starter = Callable[[Callable[[], int]], Awaitable[int]]
 
 
 async def run(
@@ -18,11 +23,30 @@ async def run(
     log_path: str = "/dev/null",
     pass_fd: int | None = None,
     timeout: float | None = 60.0,
+    starter: Starter | None = None,
 ) -> int:
     """Run `argv` with stdin from /dev/null, stdout+stderr appended to `log_path`; return its status.
 
-    `pass_fd`, if given, is made fd 3 of the child (the runtime hands it on to the sandbox).
+    `pass_fd`, if given, is made fd 3 of the child (the runtime hands it on to the sandbox). `starter`, if
+    given, calls the spawn where it must happen (e.g. on a thread inside another mount namespace) and
+    returns the child's pid.
     """
+    begin = functools.partial(start, argv, log_path=log_path, pass_fd=pass_fd)
+    if starter is None:
+        pid = begin()
+    else:  # a cancel while the starter's thread spawns must still reap what it started
+        started = asyncio.ensure_future(starter(begin))
+        try:
+            pid = await asyncio.shield(started)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                _kill_and_reap(await started)
+            raise
+    return await wait(pid, timeout=timeout)
+
+
+def start(argv: Sequence[str], *, log_path: str = "/dev/null", pass_fd: int | None = None) -> int:
+    """posix_spawn `argv` as `run` describes; its pid (the caller reaps it)."""
     actions: list[tuple] = [
         (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
         (os.POSIX_SPAWN_OPEN, 1, log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
@@ -34,11 +58,10 @@ async def run(
             spare = pass_fd = os.dup(pass_fd)
         actions.append((os.POSIX_SPAWN_DUP2, pass_fd, 3))
     try:
-        pid = os.posix_spawnp(argv[0], list(argv), os.environ, file_actions=actions)
+        return os.posix_spawnp(argv[0], list(argv), os.environ, file_actions=actions)
     finally:
         if spare is not None:
             os.close(spare)
-    return await wait(pid, timeout=timeout)
 
 
 async def wait(pid: int, *, timeout: float | None = None) -> int:

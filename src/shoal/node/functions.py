@@ -210,7 +210,8 @@ class FunctionService:
         try:
             sock.setblocking(False)
             # through a descriptor of its directory: the full path may exceed AF_UNIX's 108 bytes
-            where = Path(sandbox.instance.directory) / "rootfs" / SOCKET.lstrip("/")
+            root = sandbox.instance.rootfs or Path(sandbox.instance.directory) / "rootfs"
+            where = Path(root) / SOCKET.lstrip("/")
             dirfd = os.open(where.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 await loop.sock_connect(sock, f"/proc/self/fd/{dirfd}/{where.name}")

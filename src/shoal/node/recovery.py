@@ -71,7 +71,12 @@ def write_record(sandbox: Sandbox) -> None:
         "created_at": sandbox.created_at,
         "expires_at": sandbox.expires_at,
         "agent_socket": str(sandbox.instance.agent_socket),
-        "instance": {"runtime": sandbox.instance.runtime, "pid": sandbox.instance.pid, "upper": sandbox.instance.upper},
+        "instance": {
+            "runtime": sandbox.instance.runtime,
+            "pid": sandbox.instance.pid,
+            "upper": sandbox.instance.upper,
+            "rootfs": sandbox.instance.rootfs,
+        },
     }
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -117,6 +122,7 @@ async def adopt(directory: Path, node_images: NodeImages, substrate: Substrate) 
         runtime=facts.get("runtime") or record.get("runtime", "crun"),
         pid=facts.get("pid"),  # the agent's host pid (not known under gVisor, whose agent answers or not)
         upper=facts.get("upper"),
+        rootfs=facts.get("rootfs"),
     )
     try:
         paused = await substrate.readopt(instance)  # a VM: reconnect to its QEMU (which sets the pid)

@@ -48,6 +48,9 @@ class Instance:
     runtime: str = ""
     pid: int | None = None
     upper: str | None = None
+    # Where the node reaches the sandbox's root directory: /proc/<agent pid>/root when its rootfs is mounted
+    # only in the sandbox's own mount namespace (crun, runc), the bundle's rootfs/ under gVisor.
+    rootfs: str | None = None
 
 
 class Substrate(ABC):

@@ -68,8 +68,19 @@ class OciRuntime:
                     "--host-uds", "create", "--oci-seccomp"]  # fmt: skip
         return [self.binary, "--root", str(self.state_root)]
 
-    async def run_detached(self, container_id: str, bundle: Path, listen_fd: int | None, log: Path) -> None:
-        """Create and start the container in the background, handing it `listen_fd` (if any) as fd 3."""
+    @property
+    def own_mount_ns(self) -> bool:
+        """Is the rootfs mounted in a namespace of the sandbox's own (mountns.py), not in the node's?
+
+        crun and runc run the container's init in a namespace cloned from theirs; gVisor's sandbox and gofer
+        are long-lived processes of its own with their own view, so runsc keeps the overlay in the node's."""
+        return self.name != "runsc"
+
+    async def run_detached(
+        self, container_id: str, bundle: Path, listen_fd: int | None, log: Path, starter: spawn.Starter | None = None
+    ) -> None:
+        """Create and start the container in the background, handing it `listen_fd` (if any) as fd 3.
+        `starter` spawns the runtime where it must run (mountns.PrivateMounts: with the rootfs mounted)."""
         pid_file = str(bundle / "pid")
         if self.name == "runsc":
             argv = [*self._base(), "run", "-detach", "-pid-file", pid_file, "-bundle", str(bundle), container_id]
@@ -80,7 +91,7 @@ class OciRuntime:
         # Not killed halfway when the create is cancelled: a runtime killed inside `run -d` can leave a
         # container it no longer knows (started, but its state half written), which `delete` then misses.
         # It finishes (within spawn's timeout) and the caller's cleanup deletes the container it made.
-        started = asyncio.ensure_future(spawn.run(argv, log_path=str(log), pass_fd=listen_fd))
+        started = asyncio.ensure_future(spawn.run(argv, log_path=str(log), pass_fd=listen_fd, starter=starter))
         try:
             status = await asyncio.shield(started)
         except asyncio.CancelledError:

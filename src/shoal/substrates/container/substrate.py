@@ -2,7 +2,8 @@
 
 Per sandbox, under its state directory:
     record.json   written first, so a crashed node can find and remove everything below
-    config.json   the OCI bundle config; rootfs/ is the overlay mount point
+    config.json   the OCI bundle config; rootfs/ is the overlay mount point (crun, runc: mounted in a mount
+                  namespace of the sandbox's own, see mountns.py; the node reaches it as /proc/<pid>/root)
     upper/ work/  the sandbox's private writes (under disk/, its own size-limited ext4, with disk_mb)
     agent.sock    the agent's listening socket (host side only; the sandbox sees no such file)
     runtime.log   what the runtime (and the agent) printed
@@ -28,6 +29,7 @@ from shoal.images import Image
 from shoal.protocol import SandboxSpec
 from shoal.substrates.base import Capabilities, Instance, Substrate
 from shoal.substrates.container import disk, userns
+from shoal.substrates.container.mountns import Mount, PrivateMounts
 from shoal.substrates.container.oci import bundle_config
 from shoal.substrates.container.runtime import OciRuntime
 
@@ -49,6 +51,7 @@ class ContainerSubstrate(Substrate):
         self.userns_base: int | None = settings.USERNS.get()
         self.default_disk_mb: int | None = settings.DEFAULT_DISK_MB.get()  # a cap for sandboxes that name none
         self.default_cpu = default_cpu  # the cap of sandboxes that name no cpu= (NodeSettings.default_cpu)
+        self._private_mounts = PrivateMounts()
 
     def runtime(self, name: str) -> OciRuntime:
         if name not in self._runtimes:
@@ -82,9 +85,15 @@ class ContainerSubstrate(Substrate):
             _write(directory / "record.json", json.dumps(record))
             disk_mb = spec.disk_mb or self.default_disk_mb
             if disk_mb or shift is not None:  # formatting, copying, shifting: off the loop
-                upper = await asyncio.to_thread(self._mount_rootfs, directory, image, disk_mb, shift)
+                upper, overlay = await asyncio.to_thread(self._prepare_rootfs, directory, image, disk_mb, shift)
             else:
-                upper = self._mount_rootfs(directory, image)
+                upper, overlay = self._prepare_rootfs(directory, image)
+            starter = None
+            if runtime.own_mount_ns:
+                starter = functools.partial(self._private_mounts.spawn, [overlay])
+            else:
+                linux.mount(overlay.source, overlay.target, overlay.fstype, 0, overlay.options)
+                instance.rootfs = overlay.target
             instance.upper = str(upper)
             cpu = spec.cpu if spec.cpu is not None else self.default_cpu
             shape = (self.agent_binary, cpu, spec.memory_mb, spec.pids, str(agent_dir) if agent_dir else None, shift)
@@ -97,10 +106,12 @@ class ContainerSubstrate(Substrate):
                 listener.bind(str(instance.agent_socket))
                 listener.listen(128)
             fd = listener.fileno() if listener else None
-            await runtime.run_detached(sandbox_id, directory, fd, directory / "runtime.log")
+            await runtime.run_detached(sandbox_id, directory, fd, directory / "runtime.log", starter)
             if agent_dir is None:
                 instance.pid = pid = int(_read(directory / "pid"))
                 _shield_from_oom_killer(pid)
+                if starter is not None:
+                    instance.rootfs = f"/proc/{pid}/root"
             else:
                 await _wait_for_socket(instance.agent_socket, directory / "runtime.log")
         except BaseException:
@@ -117,10 +128,11 @@ class ContainerSubstrate(Substrate):
                 listener.close()
         return instance
 
-    def _mount_rootfs(
+    def _prepare_rootfs(
         self, directory: Path, image: Image, disk_mb: int | None = None, shift: int | None = None
-    ) -> Path:
-        """Mount the overlay on rootfs/; return its upper directory (on the sandbox's own disk with disk_mb)."""
+    ) -> tuple[Path, Mount]:
+        """Make the overlay's directories (the upper on the sandbox's own disk with disk_mb); return the upper
+        and the overlay mount for rootfs/ (made by the caller: in the node's namespace or a private one)."""
         (directory / "rootfs").mkdir()
         home = self.sandboxes_dir.parent
         base = disk.mount_disk(directory, home / "disk-templates", disk_mb, node_tag(home)) if disk_mb else directory
@@ -133,8 +145,7 @@ class ContainerSubstrate(Substrate):
                 os.chown(path, shift, shift)
         lowers = ":".join(str(layer) for layer in reversed(layers))
         options = f"lowerdir={lowers},upperdir={base / 'upper'},workdir={base / 'work'}"
-        linux.mount("overlay", str(directory / "rootfs"), "overlay", 0, options)
-        return base / "upper"
+        return base / "upper", Mount("overlay", str(directory / "rootfs"), "overlay", options)
 
     async def destroy(self, instance: Instance) -> None:
         runtime = self.runtime(instance.runtime or "crun")
