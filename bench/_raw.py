@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from shoal.images import ImageStore  # noqa: E402
 from shoal.images.erofs import mount_image  # noqa: E402
 from shoal.substrates.container.oci import bundle_config  # noqa: E402
 
-WORK = Path("/tmp/shoal-bench-raw")
+PARENT = f"shoal-bench-raw-{os.getpid()}"  # per run: benches of other sessions may run at once
+WORK = Path("/tmp") / PARENT
 ROOT = WORK / "crun-root"
 DEVNULL = subprocess.DEVNULL
 
@@ -54,7 +56,7 @@ def bundle(i: int, lower: str) -> Path:
     options = f"lowerdir={lower},upperdir={directory / 'upper'},workdir={directory / 'work'}"
     linux.mount("overlay", str(directory / "rootfs"), "overlay", 0, options)
     config = bundle_config(
-        hostname="sandbox", agent_binary="/bin/true", cgroup_path=f"/shoal-bench-raw/c{i}", cpu=None,
+        hostname="sandbox", agent_binary="/bin/true", cgroup_path=f"/{PARENT}/c{i}", cpu=None,
         memory_mb=None, pids=1024,
     )  # fmt: skip
     config["mounts"] = [m for m in config["mounts"] if m["destination"] != "/.shoal/agent"]
@@ -87,18 +89,31 @@ def crun_cycle(n: int) -> dict:
     return {"seconds": seconds, "wall": time.perf_counter() - start}
 
 
+def cpu_ms() -> float:
+    """CPU of this process, the children it reaped and the containers' cgroups so far (as bench_hotpath's
+    shoal figure counts shoal's): the raw tools' own cost, not the shared machine's."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    return (total + (cgroups.cpu_seconds(f"/{PARENT}") or 0.0)) * 1e3
+
+
 def crun_create(n: int) -> dict:
-    """Just `crun run -d` of a prepared bundle (the runtime's own floor for a cold create)."""
+    """Just `crun run -d` of a prepared bundle (the runtime's own floor for a cold create); its CPU per run
+    (crun and the container's start) and per whole cycle (overlay, run, delete, unmount)."""
     lower, seconds = layer(), []
-    start = time.perf_counter()
+    run_cpu = 0.0
+    start, cpu0 = time.perf_counter(), cpu_ms()
     for i in range(n):
         directory = bundle(i, lower)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), cpu_ms()
         crun("run", "-d", "--bundle", str(directory), f"raw{i}")
         seconds.append(time.perf_counter() - t)
+        run_cpu += cpu_ms() - c
         crun("delete", "-f", f"raw{i}")
         unbundle(directory)
-    return {"seconds": seconds, "wall": time.perf_counter() - start}
+    cycle = (cpu_ms() - cpu0) / n
+    return {"seconds": seconds, "wall": time.perf_counter() - start, "cpu_ms": run_cpu / n, "cycle_cpu_ms": cycle}
 
 
 def crun_exec(n: int) -> dict:
@@ -123,12 +138,12 @@ def bwrap_cycle(n: int) -> dict:
     lower, seconds = layer(), []
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", lower, "/", "--proc", "/proc",
             "--dev", "/dev", "--tmpfs", "/tmp", "/bin/true"]  # fmt: skip
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), cpu_ms()
     for _ in range(n):
         t = time.perf_counter()
         subprocess.run(argv, stdin=DEVNULL, stdout=DEVNULL, stderr=DEVNULL, check=True)
         seconds.append(time.perf_counter() - t)
-    return {"seconds": seconds, "wall": time.perf_counter() - start}
+    return {"seconds": seconds, "wall": time.perf_counter() - start, "cpu_ms": (cpu_ms() - cpu0) / n}
 
 
 if __name__ == "__main__":
@@ -139,5 +154,8 @@ if __name__ == "__main__":
     try:
         result = run(count)
     finally:
-        cgroups.remove("/shoal-bench-raw")  # crun removes each container's cgroup, not the parent it made
+        cgroups.remove(f"/{PARENT}")  # crun removes each container's cgroup, not the parent it made
+        if linux.is_mountpoint(str(WORK / "lower")):
+            linux.umount(str(WORK / "lower"))
+        shutil.rmtree(WORK, ignore_errors=True)
     print(json.dumps(result))
