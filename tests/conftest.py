@@ -294,7 +294,8 @@ def sweep_dead_run(parent: str) -> list[str]:
     """Remove what the killed run owning cgroup `parent` left: its node (stopped with SIGTERM, so it closes its
     sandboxes and network as usual; SIGKILL if it hangs), then whatever is still there: processes in the
     parent's cgroups, the mounts of its sandboxes (found by sandbox ID, which is the cgroup's name) and the
-    node's shared sandboxes mount (holding a directory of such an ID), and the cgroups. Returns what it did, for the session's log."""
+    node's shared sandboxes mount (holding a directory of such an ID), and the cgroups. Returns what it did,
+    for the session's log."""
     from shoal import cgroups
 
     done = []

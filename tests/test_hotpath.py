@@ -1,4 +1,5 @@
-"""Hot-path pieces (issue 12): group commit of the trajectory log, removal of a sandbox's state directory."""
+"""Hot-path pieces (issue 12): group commit of the trajectory log, removal of a sandbox's state directory, a
+mount table that does not grow with live sandboxes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import sqlite3
 import subprocess
 from pathlib import Path
 
+from conftest import NodeProcess, no_leftovers, sandbox_roots
+
+import shoal
 from shoal import linux
 from shoal.node.trajectory import TrajectoryLog
 
@@ -86,3 +90,31 @@ def test_remove_directory_stays_on_its_file_system(tmp_path: Path) -> None:
         subprocess.run(["umount", str(inner)], check=True)
     linux.remove_directory(str(outer), ("rootfs",))
     assert not outer.exists()
+
+
+def test_live_sandboxes_do_not_grow_the_nodes_mount_table(client: shoal.Client, node: NodeProcess) -> None:
+    """A crun sandbox's overlay is mounted only in a namespace of its own (substrates/container/mountns.py):
+    the node's table (which every create's runtime copies) and the host's keep the same mounts under the
+    node's home however many sandboxes live; each agent's root is its overlay, which goes with the sandbox."""
+
+    def mounts_under_home(pid: int | str) -> list[str]:
+        lines = Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        return sorted(target for line in lines if (target := line.split()[4]).startswith(f"{node.home}/"))
+
+    first = client.create(image="busybox", pool=False, ttl_s=600)  # the image's layers stay mounted from here
+    more = []
+    try:
+        node_before, host_before = mounts_under_home(node.pid), mounts_under_home("self")
+        more = [client.create(image="busybox", pool=False, ttl_s=600) for _ in range(4)]
+        assert mounts_under_home(node.pid) == node_before
+        assert mounts_under_home("self") == host_before
+        roots = sandbox_roots(node.home, node.cgroup_parent)
+        assert len(roots) >= 5  # (other tests' sandboxes of this session's node may live too)
+        for sb in [first, *more]:
+            assert int((node.home / "sandboxes" / sb.id / "pid").read_text()) in [int(p) for p in roots]
+            sb.files.write("/mine", sb.id.encode())
+            assert sb.exec("cat /mine").stdout == sb.id  # each its own upper
+    finally:
+        for sb in [first, *more]:
+            sb.close()
+    assert not no_leftovers(node.home, node.cgroup_parent)

@@ -24,7 +24,8 @@ def prepare_mount_namespace(paths: Paths) -> int | None:
 
     On a hybrid host (cgroup v1 controllers plus an empty cgroup2 at /sys/fs/cgroup/unified) crun refuses
     to run. The node moves into its own mount namespace and unmounts the cgroup2 there only; the
-    sandboxes directory is made a shared mount first so the rootfs mounts the node makes still appear on
+    sandboxes directory is made a shared mount first so the mounts the node makes there (disk_mb's disks,
+    gVisor's overlays; crun's and runc's overlays live in each sandbox's own namespace) still appear on
     the host (where tools, tests and a restarted node can see and clean them).
     """
     if cgroups.layout() != "hybrid":
