@@ -230,6 +230,8 @@ class Tenancy:
                 f"image name {name!r}: names starting with {SCOPE!r} are reserved for the node's per-project "
                 "namespaces; use the plain name"
             )
+        if self.service.images.has(name):  # present and shared: one stat, not a listing of the store per call
+            return name
         if name not in self._shared_images():
             raise ImageNotFoundError(
                 f"image {name!r} is not on node {self.service.settings.node_id}; images project {project!r} can "
