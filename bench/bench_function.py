@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -93,6 +94,12 @@ def sandboxes_cpu_s(cgroup_parent: str) -> float:
     return 0.0
 
 
+def own_cpu_s() -> float:
+    """This process's CPU (the clients of the shoal ways: aiohttp, shoal's client)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def process_cpu_s(pid: int) -> float:
     stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return sum(int(x) for x in stat[11:15]) / TICK  # utime stime cutime cstime
@@ -106,6 +113,7 @@ class Row:
         self.machine_ms: list[float] = []
         self.node_ms: list[float] = []
         self.sandbox_ms: list[float] = []
+        self.client_ms: list[float] = []
 
 
 async def timed(n: int, concurrency: int, one: Callable[[int], Awaitable[None]]) -> tuple[float, list[float]]:
@@ -127,7 +135,9 @@ def measure(row: Row, n: int, run: Callable[[], Awaitable[tuple[float, list[floa
     machine = machine_cpu_s()
     own = process_cpu_s(node.pid) if node else 0.0
     boxes = sandboxes_cpu_s(node.cgroup_parent) if node else 0.0
+    client = own_cpu_s()
     elapsed, latencies = asyncio.run(run())
+    row.client_ms.append((own_cpu_s() - client) * 1e3 / n)
     row.rates.append(n / elapsed)
     row.latencies += latencies
     row.machine_ms.append((machine_cpu_s() - machine) * 1e3 / n)
@@ -208,6 +218,8 @@ def shoal_ways(lc: LocalCluster, rows: dict[str, Row], args: argparse.Namespace)
         ("POST /run_code (node HTTP)", args.snippets, fusion),
     ]
     for name, n, run in ways:
+        if args.ways and not any(w in name for w in args.ways.split(",")):
+            continue
         asyncio.run(warm(name))
         profiler = None
         if args.profile:
@@ -260,7 +272,7 @@ def report(rows: dict[str, Row], args: argparse.Namespace) -> None:
         f"{os.cpu_count()} cores, load {load:.1f}; {args.rounds} round(s), medians"
     )
     print(
-        f"{'way':<28} {'ops/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'machine':>8} {'node':>6} {'calls':>6}"
+        f"{'way':<28} {'ops/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'machine':>8} {'node':>6} {'calls':>6} {'client':>6}"
         "  target   (CPU ms per op)"
     )
     for name, row in rows.items():
@@ -270,12 +282,14 @@ def report(rows: dict[str, Row], args: argparse.Namespace) -> None:
         machine = statistics.median(row.machine_ms)
         node = f"{statistics.median(row.node_ms):.2f}" if row.node_ms else "-"
         calls = f"{statistics.median(row.sandbox_ms):.2f}" if row.sandbox_ms else "-"
+        client = f"{statistics.median(row.client_ms):.2f}" if row.client_ms else "-"
         target = TARGETS.get(name)
         verdict = f">= {target:.0f}/s {'met' if rate >= target else 'NOT met'}" if target else ""
-        print(f"{name:<28} {rate:>8.0f} {p50:>8} {p99:>8} {machine:>8.2f} {node:>6} {calls:>6}  {verdict}")
+        print(f"{name:<28} {rate:>8.0f} {p50:>8} {p99:>8} {machine:>8.2f} {node:>6} {calls:>6} {client:>6}  {verdict}")
     print(
         "CPU ms per op: machine = all cores (includes other users' load); node = the node process; calls = "
-        "its sandboxes' cgroup (workers and every call's child; for raw fork the forking interpreters)"
+        "its sandboxes' cgroup (workers and every call's child; for raw fork the forking interpreters); client = "
+        "this process (the HTTP or shoal client driving the way)"
     )
 
 
@@ -286,6 +300,7 @@ def main() -> int:
     parser.add_argument("--snippets", type=int, default=500)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--ways", help="only the ways whose name contains one of these (comma-separated)")
     parser.add_argument("--profile", help="directory for py-spy raw flame data of the node, one file per way")
     args = parser.parse_args()
     if args.profile:
