@@ -218,6 +218,19 @@ def test_expose_on_a_microvm(client: shoal.Client) -> None:
         pytest.skip("QEMU is not installed on this node")
     with client.create("microvm", image="debian", pool=False, ttl_s=900) as sb:
         url = check_exposed(sb)
+        check_raw_tcp(sb)  # a half-close crosses the mux ('E'), the answer comes back
+    assert get(url)[0] == 404
+
+
+def test_expose_on_a_systemd_vm(client: shoal.Client) -> None:
+    """The `vm` kind: the agent is a systemd unit in a full Debian guest, reached over the same serial mux;
+    the guest has no network device, so only the relay reaches its ports (the template restore path: a
+    create restores the booted template, so a slow TCG host pays the boot once per node)."""
+    if "vm" not in client.kinds():
+        pytest.skip("QEMU is not installed on this node")
+    with client.create("vm", image="debian", network="none", pool=False, ttl_s=900) as sb:
+        url = check_exposed(sb)
+        check_raw_tcp(sb)
     assert get(url)[0] == 404
 
 

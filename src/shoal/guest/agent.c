@@ -2320,8 +2320,12 @@ static void handle(int fd) {
 /* Serial mode (VMs): one virtio-serial stream carries many connections.     */
 /*                                                                           */
 /* Mux frames both ways: u32 channel, u8 op, u32 length, payload.  Ops: 'O'  */
-/* open (host -> guest), 'D' data, 'C' close, 'R' reset (host, first frame   */
-/* of every connection: earlier channels are stale).  Each channel becomes a */
+/* open (host -> guest), 'D' data, 'E' end of the sender's data (a half-    */
+/* close: the other direction stays open), 'C' close, 'R' reset (host, first */
+/* frame of every connection: earlier channels are stale).  A channel ends   */
+/* with 'C' once both directions have ended (or either side is gone), so a   */
+/* port relay keeps TCP's half-close as it does over a container's socket.   */
+/* Each channel becomes a */
 /* socketpair whose far end is served by an ordinary forked handler, so the  */
 /* request protocol is byte for byte the one containers speak.  While the    */
 /* host is away (restore, pause, node restart) the agent waits for it.       */
@@ -2334,6 +2338,9 @@ struct chan {
     int fd;
     unsigned char *out;
     size_t len, cap;
+    int host_eof;    /* the host sent 'E': shut our write side once `out` is flushed */
+    int shut;        /* ... done */
+    int handler_eof; /* the handler's side ended; 'E' sent to the host */
 };
 
 static struct chan *chans = NULL;
@@ -2429,7 +2436,7 @@ static void chan_open(int serial, uint32_t id) {
         chans_cap = ncap;
     }
     set_nonblock(sv[0]);
-    chans[nchans++] = (struct chan){id, sv[0], NULL, 0, 0};
+    chans[nchans++] = (struct chan){id, sv[0], NULL, 0, 0, 0, 0, 0};
 }
 
 static void chan_flush(size_t i) {
@@ -2467,6 +2474,22 @@ static void chan_queue(size_t i, const unsigned char *data, size_t len) {
     chan_flush(i);
 }
 
+/* After a flush: pass on the host's half-close once its data is written; a channel both sides have
+   ended is closed ('C' to the host).  Returns 1 if channel i was dropped. */
+static int chan_settle(int serial, size_t i) {
+    struct chan *c = &chans[i];
+    if (c->host_eof && !c->shut && c->len == 0) {
+        shutdown(c->fd, SHUT_WR);
+        c->shut = 1;
+    }
+    if (c->shut && c->handler_eof) {
+        mux_send(serial, c->id, 'C', NULL, 0);
+        chan_drop(i);
+        return 1;
+    }
+    return 0;
+}
+
 /* The host's first frame on every connection: channel 0, op 'R', 16-byte marker. */
 static const unsigned char mux_reset[MUX_HDR + 16] = {0, 0, 0, 0, 'R', 0, 0, 0, 16, 'S', 'H', 'O', 'A', 'L', '-',
                                                       'M', 'U', 'X', '-', 'R', 'E', 'S', 'E', 'T', '1'};
@@ -2497,7 +2520,7 @@ static void serial_mux(const char *path) {
         pfds[0].revents = 0;
         for (size_t i = 0; i < nchans; i++) {
             pfds[i + 1].fd = chans[i].fd;
-            pfds[i + 1].events = (short)(POLLIN | (chans[i].len ? POLLOUT : 0));
+            pfds[i + 1].events = (short)((chans[i].handler_eof ? 0 : POLLIN) | (chans[i].len ? POLLOUT : 0));
             pfds[i + 1].revents = 0;
         }
         size_t polled = nchans;
@@ -2546,10 +2569,14 @@ static void serial_mux(const char *path) {
                     if (!c)
                         continue;
                     size_t idx = (size_t)(c - chans);
-                    if (op == 'D')
+                    if (op == 'D') {
                         chan_queue(idx, data, len);
-                    else if (op == 'C')
+                    } else if (op == 'E') {
+                        c->host_eof = 1;
+                        chan_settle(serial, idx);
+                    } else if (op == 'C') {
                         chan_drop(idx);
+                    }
                 }
                 memmove(in, in + pos, ilen_s - pos);
                 ilen_s -= pos;
@@ -2576,12 +2603,21 @@ static void serial_mux(const char *path) {
             }
             if (i == nchans)
                 continue;
-            if (rev & POLLOUT)
+            if (rev & POLLOUT) {
                 chan_flush(i);
-            if (rev & (POLLIN | POLLHUP | POLLERR)) {
+                if (chan_settle(serial, i))
+                    continue;
+            }
+            if (chans[i].handler_eof && (rev & (POLLHUP | POLLERR))) { /* the handler closed its end entirely */
+                mux_send(serial, chans[i].id, 'C', NULL, 0);
+                chan_drop(i);
+            } else if (rev & (POLLIN | POLLHUP | POLLERR)) {
                 ssize_t n = read(chans[i].fd, rbuf, PIPE_CHUNK);
                 if (n > 0) {
                     mux_send(serial, chans[i].id, 'D', rbuf, (size_t)n);
+                } else if (n == 0 && !chans[i].shut) { /* the handler's half-close: the host's side stays open */
+                    chans[i].handler_eof = 1;
+                    mux_send(serial, chans[i].id, 'E', NULL, 0);
                 } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
                     mux_send(serial, chans[i].id, 'C', NULL, 0);
                     chan_drop(i);

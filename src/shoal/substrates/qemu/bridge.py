@@ -2,10 +2,14 @@
 
 The node listens on `sandboxes/<id>/agent.sock` exactly as for containers; each accepted connection
 becomes a channel on QEMU's chardev socket (frames: u32 channel, u8 op, u32 length, payload; ops 'O'
-open, 'D' data, 'C' close, and 'R' reset, the first frame of every chardev connection, after which the
-guest drops older channels). The guest agent (`shoal-agent --serial`) serves each channel with its usual
-per-connection handler, so `AgentClient` works unchanged. The chardev side can be swapped (restore,
-resume) with `attach()`; connections open at that moment are closed, as the guest drops them too.
+open, 'D' data, 'E' end of the sender's data, 'C' close, and 'R' reset, the first frame of every chardev
+connection, after which the guest drops older channels). 'E' is a half-close, so a port relay over a VM
+keeps TCP's half-close (a client that shuts its sending side still gets the answer); the guest closes a
+channel ('C') once both directions have ended, and a connection whose node side has gone (a write to it
+failed) is closed in the guest at its next data frame, as a container's handler would get EPIPE.
+The guest agent (`shoal-agent --serial`) serves each channel with its usual per-connection handler, so
+`AgentClient` works unchanged. The chardev side can be swapped (restore, resume) with `attach()`;
+connections open at that moment are closed, as the guest drops them too.
 The guest is untrusted: frame lengths are bounded.
 """
 
@@ -105,8 +109,9 @@ class AgentBridge:
                 data = await reader.read(_CHUNK)
                 if self._serial_writer is not serial:  # the VM was restored or paused under us
                     break
-                if not data:
-                    self._send(channel, b"C")
+                if not data:  # the node's side ended its data: the guest's side may still answer
+                    self._send(channel, b"E")
+                    await writer.wait_closed()  # the guest's 'C' (or a detach) closes it
                     break
                 self._send(channel, b"D", data)
                 await serial.drain()
@@ -129,7 +134,15 @@ class AgentBridge:
                 if writer is None:
                     continue
                 if op == ord("D"):
-                    writer.write(data)
+                    if writer.transport.is_closing():  # the node's side is gone: so is the guest's
+                        self._channels.pop(channel, None)
+                        self._send(channel, b"C")
+                        writer.close()
+                    else:
+                        writer.write(data)
+                elif op == ord("E"):
+                    if writer.can_write_eof() and not writer.transport.is_closing():
+                        writer.write_eof()
                 elif op == ord("C"):
                     self._channels.pop(channel, None)
                     writer.close()
