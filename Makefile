@@ -4,9 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # chromium + chromium-driver: tests/test_console.py drives the web console in Debian's headless chromium (selenium)
 # novnc: the live view of a screen (shoal/view.py serves /usr/share/novnc; tests/test_gui.py loads it in chromium)
+# adb: Android's debug bridge client; tests/test_agentless.py carries it into an agentless vm (sb.adb())
 APT_PACKAGES := crun runc bubblewrap mmdebstrap busybox-static erofs-utils iproute2 nftables e2fsprogs \
 	qemu-system-x86 qemu-utils gcc libc6-dev make psmisc procps file util-linux \
-	skopeo umoci docker-registry openssl chromium chromium-driver novnc
+	skopeo umoci docker-registry openssl chromium chromium-driver novnc adb
 PYTHON ?= python3
 
 .PHONY: setup demo test test-fast bench bench-vm lint settings-doc clean-state apt runsc venv agent images vm-images

@@ -244,6 +244,13 @@ def cmd_image(args: argparse.Namespace) -> int:
             )
         elif action == "import":
             print("\n".join(client.image_import(name, args.as_name)))
+        elif action == "import-disk":
+            if not args.as_name:
+                raise SystemExit("shoal image import-disk PATH --as NAME: name the image")
+            options = {"kernel": args.kernel, "initrd": args.initrd, "append": args.append,
+                       "ready_port": args.ready_port, "disk_bus": args.disk_bus, "nic": args.nic}  # fmt: skip
+            for node, one in _by_node(client.image_import_disk(name, args.as_name, **options), "name").items():
+                print(f"{one['name']}: disk image, boots as an agentless vm{node}")
         elif action == "export":
             print(client.image_export(name, args.target))
         elif action == "inspect":
@@ -359,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             "pull",
             "push",
             "import",
+            "import-disk",
             "export",
             "build",
             "inspect",
@@ -371,7 +379,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     image.add_argument("name", nargs="?", help="image name, registry reference (pull) or archive path (import)")
     image.add_argument("target", nargs="?", help="push: registry reference; export: path; tag, squash: new name")
-    image.add_argument("--as", dest="as_name", help="pull/import: store under this name")
+    image.add_argument("--as", "--name", dest="as_name", help="pull/import/import-disk: store under this name")
+    image.add_argument("--kernel", help="import-disk: boot this kernel (AOSP-style) instead of the disk's loader")
+    image.add_argument("--initrd", help="import-disk: the kernel's initrd / ramdisk")
+    image.add_argument("--append", help="import-disk: the kernel command line")
+    image.add_argument("--ready-port", type=int, help="import-disk: ready once this guest TCP port answers (5555)")
+    image.add_argument("--disk-bus", default="virtio", choices=["virtio", "sata"], help="import-disk: disk bus")
+    image.add_argument("--nic", default="virtio", choices=["virtio", "e1000"], help="import-disk: NIC model")
     image.add_argument("--auth", help="registry credentials user:password (or SHOAL_REGISTRY_AUTH)")
     image.add_argument("--platform", help="pull: os/arch from an index (default: this host)")
     image.add_argument("-f", "--file", help="build: the Dockerfile")

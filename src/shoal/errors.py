@@ -19,6 +19,11 @@ class NoScreenError(InvalidRequestError):
     """A GUI action on a sandbox that has no screen (create it with screen=(w, h), e.g. image='desktop')."""
 
 
+class NoAgentError(InvalidRequestError):
+    """An operation that needs shoal's guest agent (exec, files, shells, processes, env, user, workdir, a
+    network policy) on an agentless vm (a user's disk image, e.g. Android): the message names what works."""
+
+
 class NotFoundError(ShoalError, LookupError):
     """Something named in the request does not exist."""
 
@@ -103,6 +108,7 @@ ERROR_TYPES: dict[str, type[ShoalError]] = {
         InvalidRequestError,
         UnsupportedKindError,
         NoScreenError,
+        NoAgentError,
         NotFoundError,
         SandboxNotFoundError,
         ShellLostError,

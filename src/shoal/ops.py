@@ -275,6 +275,11 @@ _op("image_squash", FANOUT, {"name": str, "target": str}, JSON, "Flatten an imag
 _op("image_import", FANOUT, {"path": str, "name": OPT_STR}, list[str],
     "Import an OCI layout or docker-save archive from a path on each node's machine.", access=CLUSTER,
     merge=BY_NODE)
+_op("image_import_disk", FANOUT, {"path": str, "name": str, "kernel": OPT_STR, "initrd": OPT_STR, "append": OPT_STR,
+                                 "ready_port": (int | None, None), "disk_bus": (str, "virtio"),
+                                 "nic": (str, "virtio")}, JSON,
+    "Register a VM disk image (Android-x86, AOSP...) at a path on each node's machine as an image an agentless "
+    "vm boots.", access=CLUSTER, merge=BY_NODE)
 _op("image_export", ONE, {"name": str, "path": str}, str,
     "Write an image as an OCI layout at a path on the node's machine; its digest.", access=CLUSTER)
 _op("image_pull", FANOUT, {"reference": str, "name": OPT_STR, "auth": OPT_STR, "platform": OPT_STR}, JSON,

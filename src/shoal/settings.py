@@ -359,6 +359,11 @@ PARENT_PID: Setting[int] = _declare(
 TEST_USERNS: Setting[int] = _declare(
     "SHOAL_TEST_USERNS", int, None, TESTS, "Run the test suite's nodes with SHOAL_USERNS set to this."
 )
+ANDROID_IMAGE: Setting[str] = _declare(
+    "SHOAL_ANDROID_IMAGE", str, None, TESTS,
+    "tests/test_agentless.py: an Android-x86 / AOSP x86_64 disk image on this machine; its end-to-end test "
+    "(boot, adb shell, screen) runs only when set.",
+)  # fmt: skip
 BENCH_KEEP_NODE: Setting[bool] = _declare(
     "SHOAL_BENCH_KEEP_NODE", bool, False, TESTS, "bench/bench_security.py: keep its node running afterwards."
 )

@@ -15,6 +15,7 @@ from typing import Any, Literal, overload
 
 from shoal import ops, protocol, settings, tls
 from shoal.client import functions, localfs, ports, procs, tartree
+from shoal.client.adb import AsyncAdb, adb_program
 from shoal.client.gui import AsyncGui
 from shoal.client.image import ImageBuilder, placed
 from shoal.client.procs import AsyncProcess
@@ -509,6 +510,30 @@ class AsyncClient:
         """Import an OCI image layout (directory or tar) or a `docker save` archive on the node's machine."""
         return await self.call("image_import", {"path": os.path.abspath(path), "name": name})
 
+    async def image_import_disk(
+        self,
+        path: str | os.PathLike[str],
+        name: str,
+        *,
+        kernel: str | os.PathLike[str] | None = None,
+        initrd: str | os.PathLike[str] | None = None,
+        append: str | None = None,
+        ready_port: int | None = None,
+        disk_bus: str = "virtio",
+        nic: str = "virtio",
+    ) -> dict[str, Any]:
+        """Register a VM disk image on the node's machine (Android-x86, AOSP x86_64, any OS; raw, qcow2, vmdk...)
+        as image `name`, which create("vm", image=name) boots without shoal's agent: from the disk's own boot
+        loader, or with `kernel` (+ `initrd`, `append`). `ready_port`: a create waits until that guest port
+        takes a connection (5555 for adbd). `disk_bus="sata"` / `nic="e1000"` for guests without virtio."""
+
+        def absolute(value: Any) -> str | None:
+            return os.path.abspath(value) if value is not None else None
+
+        args = {"path": os.path.abspath(path), "name": name, "kernel": absolute(kernel), "initrd": absolute(initrd),
+                "append": append, "ready_port": ready_port, "disk_bus": disk_bus, "nic": nic}  # fmt: skip
+        return await self.call("image_import_disk", args)
+
     async def image_pull(
         self,
         reference: str,
@@ -872,6 +897,19 @@ class AsyncSandbox:
         """Listen on 127.0.0.1:`local_port` (0: any free one; see `.address`) and carry every connection to
         `port` inside the sandbox as raw TCP; `await fwd.close()` stops it."""
         return await ports.PortForward(await self.expose(port), self.client._tls_context()).start(port=local_port)
+
+    async def adb(self, port: int = 5555, *, connect: bool = True, program: str = "adb") -> AsyncAdb:
+        """Android's adb (on this machine) connected to the adbd of an agentless vm (an Android image) through
+        `forward(port)`: `(await sb.adb()).run("shell", "ls")`; `await adb.close()` disconnects. See client/adb.py."""
+        adb_program(program)  # refused before a forward is opened
+        adb = AsyncAdb(await self.forward(port), program)
+        if connect:
+            try:
+                await adb.connect()
+            except BaseException:
+                await adb.forward.close()
+                raise
+        return adb
 
     async def pause(self) -> dict[str, Any]:
         """Pause: a container is frozen and its memory reclaimed; a VM is saved to disk and its QEMU stopped.

@@ -214,6 +214,11 @@ class Client:
     def image_tag(self, source: str, target: str) -> None:
         self._run(self._async.image_tag(source, target))
 
+    def image_import_disk(self, path: str | os.PathLike[str], name: str, **options: Any) -> dict[str, Any]:
+        """See AsyncClient.image_import_disk: a VM disk image an agentless vm boots (kernel=, initrd=, append=,
+        ready_port=, disk_bus=, nic=)."""
+        return self._run(self._async.image_import_disk(path, name, **options))
+
     def image_import(self, path: str | os.PathLike[str], name: str | None = None) -> list[str]:
         return self._run(self._async.image_import(path, name))
 
@@ -239,6 +244,32 @@ class PortForward:
         self._client._run(self._inner.close())
 
     def __enter__(self) -> PortForward:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Adb:
+    """adb connected to an agentless vm's adbd (see AsyncSandbox.adb): `.serial`, `.run(*args)`, `.close()`."""
+
+    def __init__(self, client: Client, inner: Any) -> None:
+        self._client = client
+        self._inner = inner
+        self.serial: str = inner.serial
+
+    def connect(self, timeout: float = 60) -> Adb:
+        self._client._run(self._inner.connect(timeout))
+        return self
+
+    def run(self, *args: str, timeout: float | None = 120) -> Any:
+        """`adb -s <serial> ARGS...`: a subprocess.CompletedProcess (text)."""
+        return self._client._run(self._inner.run(*args, timeout=timeout))
+
+    def close(self) -> None:
+        self._client._run(self._inner.close())
+
+    def __enter__(self) -> Adb:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -342,6 +373,10 @@ class Sandbox:
         """See AsyncSandbox.forward: 127.0.0.1:<local port> (`.address`) carries raw TCP to `port` inside the
         sandbox, served on the client's loop thread until `.close()` (or the `with` block's end)."""
         return PortForward(self._client, self._client._run(self._inner.forward(port, local_port)))
+
+    def adb(self, port: int = 5555, *, connect: bool = True, program: str = "adb") -> Adb:
+        """See AsyncSandbox.adb: adb connected through forward(5555) to an agentless vm's adbd."""
+        return Adb(self._client, self._client._run(self._inner.adb(port, connect=connect, program=program)))
 
     def pause(self) -> dict[str, Any]:
         return self._client._run(self._inner.pause())

@@ -24,6 +24,7 @@ from shoal.errors import ImageError, InvalidRequestError, UnsupportedKindError
 from shoal.images import Image, ImageConfig, ImageStore, erofs, layout, registry
 from shoal.images.erofs import LayerMounts, unmount_stale
 from shoal.protocol import SandboxSpec
+from shoal.substrates.qemu import agentless
 
 Emit = Callable[[Any], Awaitable[None]]
 
@@ -305,6 +306,32 @@ class NodeImages:
 
     async def import_archive(self, path: str, name: str | None = None) -> list[str]:
         return await asyncio.to_thread(layout.import_archive, self.store, Path(path), name)
+
+    async def import_disk(
+        self,
+        path: str,
+        name: str,
+        kernel: str | None,
+        initrd: str | None,
+        append: str | None,
+        ready_port: int | None,
+        disk_bus: str,
+        nic: str,
+    ) -> dict[str, Any]:
+        """Register a VM disk image (converted to a standalone qcow2, with its kernel and initrd if it boots
+        that way) as image `name`, one layer whose labels say how an agentless vm boots it."""
+        labels = agentless.labels(bool(kernel), bool(initrd), append, ready_port, disk_bus, nic)
+        store = self.store
+
+        def work() -> dict[str, Any]:
+            with store.writing(), store.staging() as staging:
+                files = staging / "disk"
+                agentless.import_disk(Path(path), files, kernel and Path(kernel), initrd and Path(initrd))
+                diff_id = store.add_layer_dir(files, disposable=True)
+            store.commit(name, [diff_id], ImageConfig(labels=labels))
+            return {"name": name, "layers": [diff_id], "labels": labels}
+
+        return await asyncio.to_thread(work)
 
     async def pull(
         self, reference: str, name: str | None, auth: str | None, platform: str | None, emit: Emit | None

@@ -34,7 +34,6 @@ import msgspec
 
 from shoal import cgroups
 from shoal.errors import ShoalError
-from shoal.guest import AgentClient
 from shoal.node import network
 from shoal.node.sandbox import Sandbox, State
 from shoal.protocol import SandboxSpec, convert
@@ -135,7 +134,7 @@ async def adopt(directory: Path, node_images: NodeImages, substrate: Substrate) 
         paused = frozen(cgroup_path)
     if network.normalise(spec.network) and instance.pid is None:
         raise NotAdoptable("its network policy needs its agent's host pid to re-attach, which is not known")
-    agent = AgentClient(str(instance.agent_socket))
+    agent = substrate.agent(instance)
     state = State.PAUSED if paused else State.READY
     if state is State.READY:
         try:

@@ -28,6 +28,7 @@ from shoal.config import NodeSettings, Paths, settings_env
 from shoal.errors import (
     CapacityError,
     InvalidRequestError,
+    NoAgentError,
     NodeError,
     ProcessNotFoundError,
     SandboxClosedError,
@@ -491,7 +492,7 @@ class NodeService:
         image = await self.node_images.acquire(image)
         try:
             instance = await substrate.create(sandbox_id, spec, image, snapshot=spec.snapshot)
-            agent = AgentClient(str(instance.agent_socket))
+            agent = substrate.agent(instance)  # an agentless VM's stand-in (substrates/qemu/agentless.py)
             screen = None
             try:
                 await asyncio.wait_for(agent.hello(), 10)
@@ -571,6 +572,11 @@ class NodeService:
     async def set_network(self, sandbox_id: str, network: str | list[str] | dict[str, bool]) -> dict[str, Any]:
         """Change a running sandbox's network policy; open connections to revoked destinations are cut."""
         sandbox = self._get(sandbox_id)
+        if self.substrates[sandbox.spec.kind].agentless(sandbox.instance):
+            raise NoAgentError(
+                f"sandbox {sandbox_id} is an agentless vm: its guest has a private network with no route out, "
+                "and a network policy needs shoal's agent in the guest to configure it"
+            )
         summary = await self._apply_network(sandbox, network)
         sandbox.spec.network = network
         return summary
@@ -1432,6 +1438,19 @@ class NodeService:
 
     async def image_tag(self, source: str, target: str) -> None:
         await asyncio.to_thread(self.images.tag, source, target)
+
+    async def image_import_disk(
+        self,
+        path: str,
+        name: str,
+        kernel: str | None = None,
+        initrd: str | None = None,
+        append: str | None = None,
+        ready_port: int | None = None,
+        disk_bus: str = "virtio",
+        nic: str = "virtio",
+    ) -> dict[str, Any]:
+        return await self.node_images.import_disk(path, name, kernel, initrd, append, ready_port, disk_bus, nic)
 
     async def image_import(self, path: str, name: str | None = None) -> list[str]:
         return await self.node_images.import_archive(path, name)

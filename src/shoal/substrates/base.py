@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from shoal.guest import AgentClient
 from shoal.images import Image
 from shoal.protocol import SandboxSpec
 
@@ -111,6 +112,15 @@ class Substrate(ABC):
         """A screen this kind drives from the host (a VM's, over QMP): an object with `act(action, args)` and
         `close()` like node/gui.Screen; None when the sandbox has none (containers run an in-sandbox helper)."""
         return None
+
+    def agent(self, instance: Instance) -> Any:
+        """What the node talks to for the sandbox's data plane: its guest agent's client, or (an agentless
+        VM, substrates/qemu/agentless.py) a stand-in that refuses what needs an agent with NoAgentError."""
+        return AgentClient(str(instance.agent_socket))
+
+    def agentless(self, instance: Instance) -> bool:
+        """Does the sandbox run without shoal's agent (so exec, files and network policies are refused)?"""
+        return False
 
     def loss_detail(self, instance: Instance) -> str:
         """What to add when a sandbox's agent stopped answering (e.g. a VM's console tail); empty if nothing."""

@@ -191,12 +191,12 @@ def ensure_boot_files(cache: Path | None = None) -> BootFiles:
             entries.append((f"modules/{name}.ko", stat.S_IFREG | 0o644, (modules / f"{name}.ko").read_bytes()))
         fd, tmp = tempfile.mkstemp(dir=cache, prefix=".initramfs-")
         with os.fdopen(fd, "wb") as handle:
-            handle.write(_cpio(entries))
+            handle.write(cpio_archive(entries))
         os.replace(tmp, target)
     return BootFiles(kernel=vmlinuz, initramfs=target, version=version)
 
 
-def _cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
+def cpio_archive(entries: list[tuple[str, int, bytes]]) -> bytes:
     """A newc-format cpio archive (what the kernel unpacks as an initramfs)."""
     out = bytearray()
     for ino, (name, mode, data) in enumerate([*entries, ("TRAILER!!!", 0, b"")], start=1):

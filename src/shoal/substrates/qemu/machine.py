@@ -59,6 +59,14 @@ class MachineConfig:
     memory_shared: bool = False
     screen: list[int] | None = None  # [width, height]: a VGA display and a USB tablet (qemu/screen.py)
     nic: bool = True  # a virtio-net NIC on a tap in QEMU's own network namespace (see the module doc)
+    # Agentless VMs (a user's disk image: agentless.py): "user" is QEMU's own user-mode network (DHCP for
+    # the guest, restrict=on: no route out), still inside QEMU's network namespace, so the ports it forwards
+    # from 127.0.0.1 exist only there; the disk bus and NIC model a guest without virtio drivers may need.
+    net: str = "tap"  # "tap" or "user"
+    disk_bus: str = "virtio"  # "virtio" or "sata"
+    nic_model: str = "virtio"  # "virtio" or "e1000"
+    agentless: bool = False  # no shoal agent in the guest: ready when QEMU runs (agentless.py)
+    ready_port: int | None = None  # agentless: ready once a TCP connection to this guest port is established
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -81,6 +89,7 @@ class Machine:
         self._qmp_reader: asyncio.StreamReader | None = None
         self._qmp_writer: asyncio.StreamWriter | None = None
         self._qmp_lock = asyncio.Lock()
+        self.forwarded: set[int] = set()  # user-mode network: guest ports QEMU forwards (agentless.py)
 
     @property
     def qmp_path(self) -> Path:
@@ -115,11 +124,13 @@ class Machine:
             "-smp", str(c.cpus),
             "-m", str(c.memory_mb), *memory,
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-            "-kernel", c.kernel, "-initrd", c.initramfs, "-append", c.cmdline,
+            *(["-kernel", c.kernel, "-append", c.cmdline] if c.kernel else []),
+            *(["-initrd", c.initramfs] if c.kernel and c.initramfs else []),
             "-chardev", f"file,id=console,path={self.console_path}",
             "-serial", "chardev:console",
             "-drive", f"file={self.disk},if=none,id=disk0,format=qcow2,cache=unsafe,discard=unmap",
-            "-device", f"virtio-blk-{virtio},drive=disk0,id=blk0",
+            "-device", (f"virtio-blk-{virtio},drive=disk0,id=blk0" if c.disk_bus == "virtio"
+                        else "ide-hd,bus=ide.0,drive=disk0,id=blk0") + ("" if c.kernel else ",bootindex=0"),
             "-device", f"virtio-serial-{virtio},id=vser0",
             "-chardev", f"socket,id=agent,path={self.serial_path},server=on,wait=off",
             "-device", "virtserialport,bus=vser0.0,chardev=agent,name=shoal.agent,id=port0",
@@ -130,10 +141,10 @@ class Machine:
             *(screen_mod.device_args(c.machine, self.directory) if c.screen else []),
         ]  # fmt: skip
         if c.nic:
-            argv += [
-                "-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
-                "-device", f"virtio-net-{virtio},netdev=net0,id=nic0,mac={GUEST_MAC}",
-            ]  # fmt: skip
+            tap = "tap,id=net0,ifname=tap0,script=no,downscript=no"
+            netdev = "user,id=net0,restrict=on" if c.net == "user" else tap
+            model = "e1000" if c.nic_model == "e1000" else f"virtio-net-{virtio}"
+            argv += ["-netdev", netdev, "-device", f"{model},netdev=net0,id=nic0,mac={GUEST_MAC}"]
         argv += c.extra_args
         if incoming is not None:
             argv += ["-incoming", "defer"]
@@ -154,7 +165,8 @@ class Machine:
         if shutil.which(argv[0]) is None:
             raise QmpError(f"{QEMU} not found: `apt-get install qemu-system-x86` (or set SHOAL_QEMU)")
         if self.config.nic:  # same pid: unshare and sh exec, so QEMU is the process that owns the namespace
-            script = f"printf '{NETNS_SETUP}' | ip -batch - && exec \"$@\""
+            setup = NETNS_SETUP if self.config.net != "user" else "link set lo up\n"  # user mode: loopback only
+            script = f"printf '{setup}' | ip -batch - && exec \"$@\""
             argv = ["unshare", "--net", "--", "sh", "-c", script, "shoal-netns", *argv]
         (self.directory / "machine.json").write_text(json.dumps(self.config.to_json()))
         self.pid = os.posix_spawnp(argv[0], argv, os.environ, file_actions=actions, setsid=True)
@@ -239,6 +251,10 @@ class Machine:
                         raise QmpError(f"QEMU refused {command}: {reply['error'].get('desc')}")
             except (ConnectionError, OSError) as exc:
                 raise QmpError(f"QEMU control socket failed during {command}: {exc}") from exc
+
+    async def hmp(self, command_line: str) -> str:
+        """A human-monitor command (for what QMP lacks: `hostfwd_add`, `info usernet`); its printed answer."""
+        return str(await self.qmp("human-monitor-command", **{"command-line": command_line}))
 
     async def wait_incoming(self, timeout: float = 60.0) -> None:
         """Wait until a restore (`-incoming`) has loaded the whole state, then run the guest."""

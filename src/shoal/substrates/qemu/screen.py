@@ -96,8 +96,9 @@ def _png_size(data: bytes) -> tuple[int, int]:
 class QmpScreen:
     """The `gui` actions of one VM, over its QMP socket (`qmp` runs one command on the current machine)."""
 
-    def __init__(self, qmp: Qmp, directory: Path, width: int, height: int) -> None:
+    def __init__(self, qmp: Qmp, directory: Path, width: int, height: int, follow_size: bool = False) -> None:
         self._qmp = qmp
+        self.follow_size = follow_size  # a guest that picks its own mode (a disk image): its last screenshot's size
         self.directory = directory
         self.width, self.height = width, height
         self.pointer = (0, 0)
@@ -116,6 +117,8 @@ class QmpScreen:
     async def screenshot(self) -> dict[str, Any]:
         data = await self._screendump()
         width, height = _png_size(data)
+        if self.follow_size:
+            self.width, self.height = width, height
         self.last_digest = hashlib.blake2b(data, digest_size=16).hexdigest()
         return {"png": data, "width": width, "height": height}
 

@@ -30,6 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shoal import resources, settings
 from shoal.errors import ImageError, InvalidRequestError, NotFoundError, SandboxLostError
@@ -38,6 +39,7 @@ from shoal.images import Image
 from shoal.protocol import SandboxSpec
 from shoal.substrates.base import Capabilities, Instance, Substrate
 from shoal.substrates.qemu import accel as accel_mod
+from shoal.substrates.qemu import agentless
 from shoal.substrates.qemu import screen as screen_mod
 from shoal.substrates.qemu.bridge import AgentBridge
 from shoal.substrates.qemu.disk import base_disk, file_part, overlay
@@ -125,6 +127,36 @@ class QemuSubstrate(Substrate):
             screen=screen,
         )
 
+    async def _disk_config(self, spec: SandboxSpec, boot: agentless.DiskBoot) -> MachineConfig:
+        """An agentless VM's machine: the image's own boot (its disk's loader, or its kernel), a screen, and
+        QEMU's user-mode network in QEMU's namespace (agentless.py)."""
+        accel = await self.accel()
+        memory = resources.memory_mb(self.kind, spec.memory_mb)
+        if boot.kernel is None and spec.screen:
+            raise InvalidRequestError(
+                f"screen={tuple(spec.screen)}: a disk image boots its own loader and picks its own screen size "
+                "(Android-x86: video=WxH on its kernel command line); leave screen unset"
+            )
+        screen = list(spec.screen) if spec.screen else list(screen_mod.DEFAULT_VM_SCREEN)
+        cmdline = boot.append
+        if boot.kernel is not None and spec.screen and "vga=" not in cmdline:
+            cmdline += f" vga={screen_mod.vga_mode(*screen):#x}"
+        return MachineConfig(
+            machine="q35",  # a screen needs PCI
+            accel=accel.name,
+            cpus=max(1, math.ceil(spec.cpu)) if spec.cpu else 1,
+            memory_mb=memory,
+            kernel=str(boot.kernel or ""),
+            initramfs=str(boot.initrd or ""),
+            cmdline=cmdline.strip(),
+            screen=screen,
+            net="user",
+            disk_bus=boot.disk_bus,
+            nic_model=boot.nic_model,
+            agentless=True,
+            ready_port=boot.ready_port,
+        )
+
     def machine_for(self, accel: str) -> str:
         """The QEMU machine type; SHOAL_<KIND>_MACHINE=q35|microvm overrides."""
         return settings.get(f"SHOAL_{self.kind.upper()}_MACHINE") or self.machine_type
@@ -132,6 +164,11 @@ class QemuSubstrate(Substrate):
     # ------------------------------------------------------------ create / destroy
 
     async def create(self, sandbox_id: str, spec: SandboxSpec, image: Image, snapshot: str | None = None) -> Instance:
+        disk_image = agentless.is_agentless(image)
+        if disk_image:
+            if self.kind != "vm":
+                raise InvalidRequestError(f"image {image.name!r} is a disk image: create it as kind='vm'")
+            agentless.refuse_agent_fields(spec, image.name)
         directory = self.sandboxes_dir / sandbox_id
         instance = Instance(
             id=sandbox_id,
@@ -153,6 +190,12 @@ class QemuSubstrate(Substrate):
                 if not (source / "meta.json").exists():
                     raise NotFoundError(f"no snapshot {snapshot!r} on this node (deleted, or made by another node)")
                 await self._restore(instance, source)
+            elif disk_image:  # booted each time (no template: its readiness is the guest's, not an agent's)
+                boot = await asyncio.to_thread(agentless.disk_boot, image)
+                await asyncio.to_thread(agentless.check_disk, boot.disk)
+                config = await self._disk_config(spec, boot)
+                await asyncio.to_thread(overlay, directory / "disk.qcow2", boot.disk)
+                await self._boot(directory, config, bridge)
             elif self.use_templates:
                 template = await self._template(spec, image)
                 await self._restore(instance, template, shared=True)
@@ -170,7 +213,8 @@ class QemuSubstrate(Substrate):
         return instance
 
     async def _boot(self, directory: Path, config: MachineConfig, bridge: AgentBridge) -> Machine:
-        """Cold boot on `directory/disk.qcow2` until the agent answers; the console tail if it never does."""
+        """Cold boot on `directory/disk.qcow2` until the agent answers (an agentless VM: until `_guest_ready`);
+        the console tail if it never does."""
         machine = Machine(directory, config, directory / "disk.qcow2")
         running = self._running.get(directory.name)
         if running is not None:
@@ -186,19 +230,35 @@ class QemuSubstrate(Substrate):
                 if machine.exited.done():
                     raise SandboxLostError(f"the {self.kind} guest stopped during boot: {machine.log_tail()}")
                 try:
-                    await asyncio.wait_for(agent.hello(), 1.0)
-                    return machine
+                    if config.agentless:
+                        if await self._guest_ready(machine):
+                            return machine
+                    else:
+                        await asyncio.wait_for(agent.hello(), 1.0)
+                        return machine
                 except (TimeoutError, ConnectionError, OSError):
                     pass
                 if loop.time() > deadline:
+                    waited = config.agentless and config.ready_port
+                    port = f", port {config.ready_port} did not answer" if waited else ""
                     raise SandboxLostError(
-                        f"the {self.kind} guest did not become ready in {self.boot_timeout_s:g} s "
+                        f"the {self.kind} guest did not become ready in {self.boot_timeout_s:g} s{port} "
                         f"(SHOAL_VM_BOOT_TIMEOUT); console tail: {machine.log_tail()}"
                     )
                 await asyncio.sleep(0.05)
         except BaseException:
             await machine.kill()
             raise
+
+    async def _guest_ready(self, machine: Machine) -> bool:
+        """An agentless guest is ready when QEMU runs it and its ready port (if any) takes a connection."""
+        if (await machine.qmp("query-status"))["status"] != "running":
+            return False
+        port = machine.config.ready_port
+        if not port:
+            return True
+        assert machine.pid is not None
+        return await agentless.guest_port_open(machine.pid, machine.hmp, port, machine.forwarded)
 
     async def _restore(self, instance: Instance, source: Path, shared: bool = False) -> None:
         """Start a copy of snapshot `source`. Templates (`shared`) outlive the node's sandboxes and back
@@ -217,7 +277,8 @@ class QemuSubstrate(Substrate):
         await machine.start(incoming=source / "memory")
         await machine.wait_incoming()
         await running.bridge.attach(machine.serial_path)
-        await self._fresh_identity(instance)
+        if not config.agentless:  # an agentless guest keeps its identity (no agent to give it a new one)
+            await self._fresh_identity(instance)
 
     async def _fresh_identity(self, instance: Instance) -> None:
         agent = AgentClient(str(instance.agent_socket))
@@ -418,7 +479,31 @@ class QemuSubstrate(Substrate):
         async def qmp(command: str, **arguments: object) -> object:
             return await self._machine(instance).machine.qmp(command, **arguments)  # the machine changes on resume
 
-        return screen_mod.QmpScreen(qmp, instance.directory, size[0], size[1])
+        follow = running.machine.config.agentless and not running.machine.config.kernel  # the guest picks its size
+        return screen_mod.QmpScreen(qmp, instance.directory, size[0], size[1], follow_size=follow)
+
+    def agentless(self, instance: Instance) -> bool:
+        running = self._running.get(instance.id)
+        return bool(running and running.machine and running.machine.config.agentless)
+
+    def agent(self, instance: Instance) -> Any:
+        """The agent client, or for an agentless VM the stand-in whose ports are QEMU's forwards."""
+        if not self.agentless(instance):
+            return super().agent(instance)
+
+        def running() -> bool:
+            current = self._running.get(instance.id)
+            return bool(current and current.machine and current.machine.running)
+
+        return agentless.NoAgent(instance.id, running, lambda port: self.open_guest_port(instance, port))
+
+    async def open_guest_port(self, instance: Instance, port: int) -> agentless.Stream:
+        """A byte stream to TCP `port` of an agentless guest (QEMU's forward in its namespace; the machine
+        changes on resume, so it is looked up each time)."""
+        machine = self._machine(instance).machine
+        if machine.pid is None or not machine.running:
+            raise SandboxLostError(f"{self.kind} {instance.id} has no QEMU process")
+        return await agentless.open_guest_port(machine.pid, machine.hmp, port, machine.forwarded)
 
     def loss_detail(self, instance: Instance) -> str:
         """The console's tail: a guest kernel panic or an agent crash shows there."""
@@ -452,9 +537,9 @@ def _flatten(source: Path, target: Path) -> None:
             capture_output=True, text=True, check=True,
         ).stdout
     )  # fmt: skip
-    bottom = info[-1]["filename"]
+    bottom, bottom_format = info[-1]["filename"], info[-1]["format"]  # an agentless VM's base disk is a qcow2
     proc = subprocess.run(
-        ["qemu-img", "convert", "-U", "-O", "qcow2", "-B", bottom, "-F", "raw", str(source), str(target)],
+        ["qemu-img", "convert", "-U", "-O", "qcow2", "-B", bottom, "-F", bottom_format, str(source), str(target)],
         capture_output=True, text=True,
     )  # fmt: skip
     if proc.returncode != 0:

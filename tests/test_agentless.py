@@ -1,0 +1,200 @@
+"""Agentless VMs: a user's disk image (Android-x86, AOSP x86_64, any OS) booted by QEMU with no shoal agent.
+
+No Android image can be fetched on these machines, so the guest here is one that is real but small, made
+from Debian packages: Debian's kernel (the one shoal boots VMs with) and an initramfs of busybox whose
+init takes an address by DHCP from QEMU's user-mode network, serves HTTP on port 8080, records on port 5555
+what a client sent (where an Android guest's adbd listens), and opens a shell on the VGA console. It is
+imported like an AOSP image (`kernel=`, `initrd=`, a disk) and driven only through what an Android guest
+would offer: the screen over QMP and TCP ports through the private network.
+
+The end-to-end Android test runs when SHOAL_ANDROID_IMAGE names an Android-x86 disk image on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import shoal
+from shoal import settings
+from shoal.substrates.qemu.kernel import cpio_archive, ensure_kernel
+
+GUEST_INIT = r"""#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin
+mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
+for m in $(cat /modules.order); do insmod /modules/$m.ko 2>/dev/null; done
+mkdir -p /www /tmp
+echo agentless-guest-ok > /www/index.html
+ip link set lo up
+dev=""; for d in /sys/class/net/*; do [ "${d##*/}" = lo ] || dev=${d##*/}; done
+ip link set "$dev" up
+udhcpc -i "$dev" -s /dhcp.sh -q -t 100 -T 1 -A 1
+(while true; do nc -l -p 5555 > /www/adb.bin; done) &
+httpd -p 8080 -h /www
+setsid sh -c 'exec sh </dev/tty1 >/dev/tty1 2>&1' &
+while true; do sleep 3600; done
+"""
+DHCP_SCRIPT = r"""#!/bin/busybox sh
+case "$1" in bound|renew) ifconfig "$interface" "$ip" netmask "${subnet:-255.255.255.0}";; esac
+"""
+
+
+def _guest_files(directory: Path) -> tuple[Path, Path, Path]:
+    """(disk, kernel, initrd) of the test guest, written under `directory`."""
+    kernel, modules, _version = ensure_kernel()
+    order = (modules / "order").read_text().split()
+    busybox = shutil.which("busybox")
+    assert busybox is not None, "busybox-static is installed by `make setup`"
+    entries: list[tuple[str, int, bytes]] = [
+        (d, stat.S_IFDIR | 0o755, b"") for d in ["bin", "dev", "proc", "sys", "modules", "tmp"]
+    ]
+    entries += [
+        ("bin/busybox", stat.S_IFREG | 0o755, Path(busybox).read_bytes()),
+        ("init", stat.S_IFREG | 0o755, GUEST_INIT.encode()),
+        ("dhcp.sh", stat.S_IFREG | 0o755, DHCP_SCRIPT.encode()),
+        ("modules.order", stat.S_IFREG | 0o644, ("\n".join(order) + "\n").encode()),
+    ]
+    entries += [(f"modules/{m}.ko", stat.S_IFREG | 0o644, (modules / f"{m}.ko").read_bytes()) for m in order]
+    initrd = directory / "initrd.cpio"
+    initrd.write_bytes(cpio_archive(entries))
+    disk = directory / "data.raw"
+    with open(disk, "wb") as handle:
+        handle.truncate(16 << 20)
+    return disk, kernel, initrd
+
+
+@pytest.fixture(scope="module")
+def guest_image(client: shoal.Client, tmp_path_factory: pytest.TempPathFactory) -> str:
+    if "vm" not in client.kinds():
+        pytest.skip("this node runs no vm kind (QEMU is missing)")
+    disk, kernel, initrd = _guest_files(tmp_path_factory.mktemp("agentless"))
+    name = f"agentless-test-{os.getpid()}"
+    answer = client.image_import_disk(
+        disk, name, kernel=kernel, initrd=initrd, append="console=ttyS0 panic=-1", ready_port=8080
+    )
+    assert answer["name"] == name and answer["labels"]["org.shoal.vm.disk"] == "disk.qcow2"
+    yield name
+    client.image_rm(name)
+
+
+def _http_get(address: str, path: str = "/") -> bytes:
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        conn.sendall(f"GET {path} HTTP/1.0\r\nHost: guest\r\n\r\n".encode())
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+    return data
+
+
+def _wait(condition, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def _qemu_of(sandbox_id: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"shoal-{sandbox_id}\0".encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_an_agentless_vm_gui_ports_and_refusals(client: shoal.Client, guest_image: str) -> None:
+    """Booted from a disk image with no agent: ready when its ready port answers; the screen over QMP; a
+    TCP server in the guest reached through the private network; exec and files refused, naming what works."""
+    with client.create("vm", image=guest_image, screen=(1024, 768), pool=False, ttl_s=900) as vm:
+        with vm.forward(8080) as web:  # ready_port=8080: the create returned once the guest's server answered
+            reply = _http_get(web.address)
+            assert reply.startswith(b"HTTP/1.") and b"agentless-guest-ok" in reply
+
+        with pytest.raises(shoal.NoAgentError, match="sb.gui") as refused:
+            vm.exec("echo hi")
+        assert "agentless" in str(refused.value) and "forward" in str(refused.value)
+        with pytest.raises(shoal.NoAgentError):
+            vm.files.read("/etc/hostname")
+        with pytest.raises(shoal.NoAgentError):
+            vm.set_network("pypi")
+
+        first = vm.gui.screenshot()
+        assert (first.width, first.height) == (1024, 768) and first.png.startswith(b"\x89PNG")
+        vm.gui.click(10, 10)
+        vm.gui.type("echo typed through qmp")
+        vm.gui.key("Return")
+        _wait(lambda: vm.gui.screenshot().png != first.png, 120, "the typed line on the screen")
+        assert "gui" in [step["op"] for step in vm.log()]
+
+        vm.pause()  # QEMU saved and stopped; a resume is a new QEMU in a new namespace, with new forwards
+        with vm.forward(8080) as web:
+            assert b"agentless-guest-ok" in _http_get(web.address)
+        pid = _qemu_of(vm.id)
+        assert pid, "the vm's QEMU runs"
+    _wait(lambda: not _qemu_of(vm.id), 30, "the vm's QEMU to end after close")
+
+
+def test_adb_client_through_the_private_network(client: shoal.Client, guest_image: str) -> None:
+    """Debian's adb (no adbd exists in Debian, so the guest's port 5555 only records what it is sent): adb's
+    connect handshake travels through sb.forward into the guest's network, proven by the guest's own copy."""
+    if shutil.which("adb") is None:
+        pytest.skip("adb is not installed (`make setup` installs Debian's adb)")
+    with client.create("vm", image=guest_image, pool=False, ttl_s=900) as vm:
+        adb = vm.adb(connect=False)
+        try:
+            subprocess.run(["adb", "connect", adb.serial], capture_output=True, text=True, timeout=60)
+            with vm.forward(8080) as web:
+                got: list[bytes] = []
+
+                def recorded() -> bool:
+                    got.append(_http_get(web.address, "/adb.bin").partition(b"\r\n\r\n")[2])
+                    return got[-1].startswith(b"CNXN")
+
+                _wait(recorded, 60, "the guest's copy of adb's CNXN packet")
+            assert b"host::" in got[-1]  # adb's connect message: "host::features=..."
+        finally:
+            adb.close()
+            subprocess.run(["adb", "kill-server"], capture_output=True, timeout=60)
+
+
+def test_agent_only_create_arguments_are_refused(client: shoal.Client, guest_image: str) -> None:
+    for extra in ({"files": {"/a": b"x"}}, {"env": {"A": "1"}}, {"network": "pypi"}, {"user": "nobody"}):
+        with pytest.raises(shoal.NoAgentError, match="What works"):
+            client.create("vm", image=guest_image, pool=False, ttl_s=60, **extra)
+    with pytest.raises(shoal.InvalidRequestError, match="kind='vm'"):
+        client.create("microvm", image=guest_image, pool=False, ttl_s=60)
+
+
+def test_android_image_end_to_end(client: shoal.Client) -> None:
+    """A real Android-x86 / AOSP x86_64 disk image: boot, adb shell, the screen (docs/GUI.md's steps)."""
+    path = settings.ANDROID_IMAGE.get()
+    if not path:
+        pytest.skip("SHOAL_ANDROID_IMAGE is not set: no Android disk image on this machine (none can be fetched)")
+    if shutil.which("adb") is None:
+        pytest.skip("adb is not installed (`make setup` installs Debian's adb)")
+    name = f"android-test-{os.getpid()}"
+    client.image_import_disk(path, name, ready_port=5555)
+    try:
+        with client.create("vm", image=name, memory_mb=2048, cpu=2, pool=False, ttl_s=3600) as phone:
+            with phone.adb() as adb:
+                _wait(lambda: "device" in adb.run("get-state").stdout, 600, "adb get-state: device")
+                release = adb.run("shell", "getprop ro.build.version.release").stdout.strip()
+                assert release, "getprop answered nothing"
+            shot = phone.gui.screenshot()
+            assert shot.png.startswith(b"\x89PNG") and shot.width > 0
+    finally:
+        client.image_rm(name)
+        subprocess.run(["adb", "kill-server"], capture_output=True, timeout=60)
