@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from conftest import NodeProcess, no_leftovers
 
 import shoal
 from shoal import settings
@@ -168,6 +171,41 @@ def test_adb_client_through_the_private_network(client: shoal.Client, guest_imag
         finally:
             adb.close()
             subprocess.run(["adb", "kill-server"], capture_output=True, timeout=60)
+
+
+def test_a_killed_node_readopts_an_agentless_vm(guest_image: str) -> None:
+    """kill -9 of the node: its agentless vm's QEMU runs on; the next node adopts it, its screen and ports
+    answer, a snapshot forks it, and closing everything leaves nothing behind."""
+    home = Path(tempfile.mkdtemp(prefix="shoal-agentless-"))  # short: Unix socket paths are limited
+    doomed = NodeProcess(home, f"shoal-test-agentless-{os.getpid()}").start()
+    restarted = None
+    try:
+        with doomed.client() as client:
+            vm = client.create("vm", image=guest_image, pool=False, ttl_s=1800)
+        doomed.stop(signal.SIGKILL)
+        assert _qemu_of(vm.id), "QEMU outlives its node"
+        restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
+        with restarted.client() as client:
+            status = client.status()
+            assert status["adopted"] == [vm.id] and status["lost"] == {}
+            again = client.get(vm.id)
+            assert again.gui.screenshot().png.startswith(b"\x89PNG")
+            with again.forward(8080) as web:  # the forward a re-adopted QEMU already has is used again
+                assert b"agentless-guest-ok" in _http_get(web.address)
+            with pytest.raises(shoal.NoAgentError):
+                again.exec("true")
+            (copy,) = again.fork(count=1)  # memory + disk: the copy's guest runs on where the original was
+            with copy.forward(8080) as web:
+                assert b"agentless-guest-ok" in _http_get(web.address)
+            assert client.close_all() == 2
+        found = no_leftovers(restarted.home, restarted.cgroup_parent)
+        assert not found, found
+    finally:
+        if doomed.paths.lock.exists():
+            if restarted is None:
+                restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
+            restarted.stop()
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_agent_only_create_arguments_are_refused(client: shoal.Client, guest_image: str) -> None:

@@ -213,6 +213,7 @@ ARGS: dict[str, Args] = {
     "image_tag": lambda c, sb, x: {"source": "busybox", "target": f"ops-tag-{x['transport']}"},
     "image_squash": lambda c, sb, x: {"name": "busybox", "target": f"ops-squash-{x['transport']}"},
     "image_import": lambda c, sb, x: {"path": str(x["tmp"] / "no-such-layout")},
+    "image_import_disk": lambda c, sb, x: {"path": str(x["tmp"] / "no-such-disk"), "name": "ops-disk"},
     "image_export": lambda c, sb, x: {"name": "busybox", "path": str(x["tmp"] / f"busybox-{x['transport']}.tar")},
     "image_pull": lambda c, sb, x: {"reference": "127.0.0.1:1/ops/none:latest"},
     "image_push": lambda c, sb, x: {"name": "busybox", "reference": "127.0.0.1:1/ops/busybox:latest"},
@@ -224,6 +225,7 @@ RAISES: dict[str, type[Exception]] = {
     "gui": shoal.NoScreenError,  # the sandbox here has no screen (tests/test_gui.py drives a desktop)
     "image_rm": shoal.NotFoundError,
     "image_import": shoal.ShoalError,
+    "image_import_disk": shoal.InvalidRequestError,  # the path names no file (tests/test_agentless.py imports one)
     "image_pull": shoal.ImageError,  # nothing listens on port 1
     "image_push": shoal.ImageError,
 }
