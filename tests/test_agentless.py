@@ -88,6 +88,48 @@ def guest_image(client: shoal.Client, tmp_path_factory: pytest.TempPathFactory) 
     client.image_rm(name)
 
 
+# A boot sector (16-bit x86, loaded by SeaBIOS at 0x7c00): prints a line through the VGA BIOS, then echoes
+# every key the BIOS keyboard service returns. A disk that boots by its own loader, as Android-x86's does.
+#   xor ax,ax; mov ds,ax; mov si,msg
+#   print: lodsb; or al,al; jz keys; mov ah,0x0e; int 0x10; jmp print
+#   keys: mov ah,0; int 0x16; mov ah,0x0e; int 0x10; jmp keys
+#   msg: "shoal boot sector\r\n", 0
+BOOT_CODE = bytes.fromhex("31c08ed8be1c7cac08c07406b40ecd10ebf5b400cd16b40ecd10ebf6") + b"shoal boot sector\r\n\0"
+
+
+@pytest.fixture(scope="module")
+def boot_sector_image(client: shoal.Client, tmp_path_factory: pytest.TempPathFactory) -> str:
+    if "vm" not in client.kinds():
+        pytest.skip("this node runs no vm kind (QEMU is missing)")
+    disk = tmp_path_factory.mktemp("bootsector") / "disk.raw"
+    disk.write_bytes(BOOT_CODE.ljust(510, b"\0") + b"\x55\xaa" + bytes(1 << 20))
+    name = f"bootsector-test-{os.getpid()}"
+    client.image_import_disk(disk, name, disk_bus="sata", nic="e1000")
+    yield name
+    client.image_rm(name)
+
+
+def test_a_disk_that_boots_by_its_own_loader(client: shoal.Client, boot_sector_image: str) -> None:
+    """SeaBIOS boots the disk (on SATA, beside an e1000 NIC); the guest picks its screen mode (VGA text,
+    720x400) and its keyboard echoes what sb.gui types through QMP."""
+    with pytest.raises(shoal.InvalidRequestError, match="picks its own screen size"):
+        client.create("vm", image=boot_sector_image, screen=(1024, 768), pool=False, ttl_s=60)
+    with client.create("vm", image=boot_sector_image, pool=False, ttl_s=600) as vm:
+        shots: list[shoal.Screenshot] = []
+
+        def booted() -> bool:  # the boot sector's line is on the screen once it stops changing
+            shots.append(vm.gui.screenshot())
+            return len(shots) > 1 and shots[-1].png == shots[-2].png and shots[-1].width == 720
+
+        _wait(booted, 120, "the boot sector's text screen")
+        assert (shots[-1].width, shots[-1].height) == (720, 400)
+        vm.gui.click(700, 390)  # scaled to the guest's own screen size
+        vm.gui.type("typed")
+        _wait(lambda: vm.gui.screenshot().png != shots[-1].png, 60, "the echoed keys on the screen")
+        with pytest.raises(shoal.NoAgentError):
+            vm.files.write("/x", b"y")
+
+
 def _http_get(address: str, path: str = "/") -> bytes:
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=60) as conn:
