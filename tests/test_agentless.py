@@ -199,8 +199,11 @@ def test_adb_client_through_the_private_network(client: shoal.Client, guest_imag
         pytest.skip("adb is not installed (`make setup` installs Debian's adb)")
     with client.create("vm", image=guest_image, pool=False, ttl_s=900) as vm:
         adb = vm.adb(connect=False)
+        # No adbd answers, so `adb connect` waits for a reply that never comes: it runs beside the checks
+        connecting = subprocess.Popen(
+            ["adb", "connect", adb.serial], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         try:
-            subprocess.run(["adb", "connect", adb.serial], capture_output=True, text=True, timeout=60)
             with vm.forward(8080) as web:
                 got: list[bytes] = []
 
@@ -211,6 +214,8 @@ def test_adb_client_through_the_private_network(client: shoal.Client, guest_imag
                 _wait(recorded, 60, "the guest's copy of adb's CNXN packet")
             assert b"host::" in got[-1]  # adb's connect message: "host::features=..."
         finally:
+            connecting.kill()
+            connecting.wait()
             adb.close()
             subprocess.run(["adb", "kill-server"], capture_output=True, timeout=60)
 
