@@ -16,69 +16,24 @@ import os
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from agentless_guest import BOOT_CODE, guest_files
 from conftest import NodeProcess, no_leftovers
 
 import shoal
 from shoal import settings
-from shoal.substrates.qemu.kernel import cpio_archive, ensure_kernel
-
-GUEST_INIT = r"""#!/bin/busybox sh
-/bin/busybox --install -s /bin
-export PATH=/bin
-mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
-for m in $(cat /modules.order); do insmod /modules/$m.ko 2>/dev/null; done
-mkdir -p /www /tmp
-echo agentless-guest-ok > /www/index.html
-ip link set lo up
-dev=""; for d in /sys/class/net/*; do [ "${d##*/}" = lo ] || dev=${d##*/}; done
-ip link set "$dev" up
-udhcpc -i "$dev" -s /dhcp.sh -q -t 100 -T 1 -A 1
-(while true; do nc -l -p 5555 > /www/adb.bin; done) &
-httpd -p 8080 -h /www
-setsid sh -c 'exec sh </dev/tty1 >/dev/tty1 2>&1' &
-while true; do sleep 3600; done
-"""
-DHCP_SCRIPT = r"""#!/bin/busybox sh
-case "$1" in bound|renew) ifconfig "$interface" "$ip" netmask "${subnet:-255.255.255.0}";; esac
-"""
-
-
-def _guest_files(directory: Path) -> tuple[Path, Path, Path]:
-    """(disk, kernel, initrd) of the test guest, written under `directory`."""
-    kernel, modules, _version = ensure_kernel()
-    order = (modules / "order").read_text().split()
-    busybox = shutil.which("busybox")
-    assert busybox is not None, "busybox-static is installed by `make setup`"
-    entries: list[tuple[str, int, bytes]] = [
-        (d, stat.S_IFDIR | 0o755, b"") for d in ["bin", "dev", "proc", "sys", "modules", "tmp"]
-    ]
-    entries += [
-        ("bin/busybox", stat.S_IFREG | 0o755, Path(busybox).read_bytes()),
-        ("init", stat.S_IFREG | 0o755, GUEST_INIT.encode()),
-        ("dhcp.sh", stat.S_IFREG | 0o755, DHCP_SCRIPT.encode()),
-        ("modules.order", stat.S_IFREG | 0o644, ("\n".join(order) + "\n").encode()),
-    ]
-    entries += [(f"modules/{m}.ko", stat.S_IFREG | 0o644, (modules / f"{m}.ko").read_bytes()) for m in order]
-    initrd = directory / "initrd.cpio"
-    initrd.write_bytes(cpio_archive(entries))
-    disk = directory / "data.raw"
-    with open(disk, "wb") as handle:
-        handle.truncate(16 << 20)
-    return disk, kernel, initrd
 
 
 @pytest.fixture(scope="module")
 def guest_image(client: shoal.Client, tmp_path_factory: pytest.TempPathFactory) -> str:
     if "vm" not in client.kinds():
         pytest.skip("this node runs no vm kind (QEMU is missing)")
-    disk, kernel, initrd = _guest_files(tmp_path_factory.mktemp("agentless"))
+    disk, kernel, initrd = guest_files(tmp_path_factory.mktemp("agentless"))
     name = f"agentless-test-{os.getpid()}"
     answer = client.image_import_disk(
         disk, name, kernel=kernel, initrd=initrd, append="console=ttyS0 panic=-1", ready_port=8080
@@ -86,15 +41,6 @@ def guest_image(client: shoal.Client, tmp_path_factory: pytest.TempPathFactory) 
     assert answer["name"] == name and answer["labels"]["org.shoal.vm.disk"] == "disk.qcow2"
     yield name
     client.image_rm(name)
-
-
-# A boot sector (16-bit x86, loaded by SeaBIOS at 0x7c00): prints a line through the VGA BIOS, then echoes
-# every key the BIOS keyboard service returns. A disk that boots by its own loader, as Android-x86's does.
-#   xor ax,ax; mov ds,ax; mov si,msg
-#   print: lodsb; or al,al; jz keys; mov ah,0x0e; int 0x10; jmp print
-#   keys: mov ah,0; int 0x16; mov ah,0x0e; int 0x10; jmp keys
-#   msg: "shoal boot sector\r\n", 0
-BOOT_CODE = bytes.fromhex("31c08ed8be1c7cac08c07406b40ecd10ebf5b400cd16b40ecd10ebf6") + b"shoal boot sector\r\n\0"
 
 
 @pytest.fixture(scope="module")
