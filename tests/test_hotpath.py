@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 from pathlib import Path
 
+import pytest
 from conftest import NodeProcess, no_leftovers, sandbox_roots
 
 import shoal
@@ -118,3 +119,57 @@ def test_live_sandboxes_do_not_grow_the_nodes_mount_table(client: shoal.Client, 
         for sb in [first, *more]:
             sb.close()
     assert not no_leftovers(node.home, node.cgroup_parent)
+
+
+async def test_walsync_fdatasyncs_through_linux_aio_and_completes_on_its_eventfd(tmp_path: Path) -> None:
+    from shoal.node.walsync import WalSync
+
+    path = tmp_path / "wal"
+    path.write_bytes(b"x" * 4096)
+    sync = WalSync.open(str(path))
+    if sync is None:
+        pytest.skip("this kernel cannot fdatasync through Linux AIO (io_setup or IOCB_CMD_FDSYNC refused)")
+    loop = asyncio.get_running_loop()
+    try:
+        for _ in range(3):
+            done = loop.create_future()
+            loop.add_reader(sync.eventfd, lambda d=done: d.done() or d.set_result(sync.reap()))
+            try:
+                sync.submit()
+                assert await asyncio.wait_for(done, 60) == 0
+            finally:
+                loop.remove_reader(sync.eventfd)
+    finally:
+        sync.close()
+
+
+async def test_durable_steps_through_aio_and_through_the_syncer_thread(tmp_path: Path) -> None:
+    for thread in (False, True):
+        log = TrajectoryLog(tmp_path / f"trajectory-{thread}.db", reserve_bytes=0)
+        if thread:
+            log._aio_tried = True  # as where Linux AIO cannot fsync: the syncer thread does it
+        try:
+            for seq in range(3):  # one at a time: an fsync each
+                await log.begin("a", seq, "exec", "k", {}, 0.0)
+                await log.append("a", seq, "exec", "k", {}, {"n": seq}, None, 0.0)
+            assert log.commits == 3
+            await asyncio.gather(*(log.append(f"b{i}", 0, "exec", "k", {}, {}, None, 0.0) for i in range(16)))
+            assert log.commits == 4  # the burst: one fsync
+            assert [log.get("a", seq).result for seq in range(3)] == [{"n": 0}, {"n": 1}, {"n": 2}]
+            assert thread or log._aio is not None or not _aio_available(tmp_path)
+        finally:
+            log.close()
+        db = sqlite3.connect(tmp_path / f"trajectory-{thread}.db")
+        assert db.execute("SELECT COUNT(*) FROM steps WHERE error_type IS NULL").fetchone()[0] == 19
+        db.close()
+
+
+def _aio_available(tmp_path: Path) -> bool:
+    from shoal.node.walsync import WalSync
+
+    probe = tmp_path / "probe"
+    probe.write_bytes(b"x")
+    sync = WalSync.open(str(probe))
+    if sync is not None:
+        sync.close()
+    return sync is not None

@@ -2,12 +2,14 @@
 
 One SQLite database per node (`$SHOAL_HOME/trajectory.db`) in WAL mode; a committed step survives a
 SIGKILL of the node and a power cut. Rows are written on the event loop itself (a WAL append without fsync,
-`synchronous=NORMAL`: tens of microseconds and no thread hop, which is all a step's intent needs); a syncer
-thread then fsyncs the WAL once for every row written before it started (group commit across sandboxes)
-and a step's result is answered only after the fsync that covers it. NORMAL plus that fsync is what FULL
-does (FULL syncs the WAL at every commit); checkpoints, which sync the database file, run on the syncer
-thread. Reads (fast-forward, `shoal log`) use a separate connection on the event loop: point lookups by
-primary key take microseconds.
+`synchronous=NORMAL`: tens of microseconds and no thread hop, which is all a step's intent needs); then one
+fdatasync of the WAL covers every row written before it started (group commit across sandboxes) and a
+step's result is answered only after the fsync that covers it. NORMAL plus that fsync is what FULL does
+(FULL syncs the WAL at every commit). The fsync is submitted to the kernel with Linux AIO and completes on
+an eventfd the loop watches (node/walsync.py: no thread hand-off per step); where AIO cannot fsync, a
+syncer thread does it. Checkpoints, which sync the database file, run on the syncer thread. Reads
+(fast-forward, `shoal log`) use a separate connection on the event loop: point lookups by primary key take
+microseconds.
 
 A step's `key` (shoal/steps.py) is a digest of the arguments that define it; a re-issued step with the
 same sequence number and key returns the logged result, a different key is a divergence.
@@ -37,6 +39,7 @@ from typing import Any
 import msgspec
 
 from shoal import settings
+from shoal.node.walsync import WalSync
 from shoal.steps import (
     BULK_ARGS,
     BULK_BYTES,
@@ -136,7 +139,13 @@ class TrajectoryLog:
         self._db.execute("PRAGMA wal_autocheckpoint=0")
         self._db.execute(f"PRAGMA journal_size_limit={JOURNAL_LIMIT}")  # a restarted WAL is cut back to this
         self._wal = f"{path}-wal"
-        self._sync_queue: queue.SimpleQueue[tuple[int, asyncio.AbstractEventLoop] | None] = queue.SimpleQueue()
+        # (upto, loop, fsync): fsync the WAL for writes up to `upto` (or only checkpoint if not `fsync`)
+        self._sync_queue: queue.SimpleQueue[tuple[int, asyncio.AbstractEventLoop, bool] | None] = queue.SimpleQueue()
+        self._aio: WalSync | None = None
+        self._aio_tried = False
+        self._aio_loop: asyncio.AbstractEventLoop | None = None
+        self._aio_inflight = 0  # the write number the submitted fdatasync covers (0: none in flight)
+        self._checkpoint_asked = 0
         self._written = 0  # writes committed to the WAL so far
         self._synced = 0  # of them, how many an fsync has covered
         self._sync_requested = 0
@@ -203,9 +212,46 @@ class TrajectoryLog:
 
     def _request_sync(self, loop: asyncio.AbstractEventLoop) -> None:
         self._flush_scheduled = False
-        if self._sync_requested < self._written:  # the syncer takes everything written by the time it starts
+        if self._sync_requested >= self._written:
+            return
+        if not self._aio_tried:
+            self._aio_tried = True
+            self._aio = WalSync.open(self._wal)
+            if self._aio is not None:
+                self._aio_loop = loop
+                loop.add_reader(self._aio.eventfd, self._aio_done)
+        if self._aio is None:  # the syncer takes everything written by the time it starts
             self._sync_requested = self._written
-            self._sync_queue.put((self._written, loop))
+            self._sync_queue.put((self._written, loop, True))
+        elif not self._aio_inflight:  # else the completion submits the next one
+            self._aio_submit()
+
+    def _aio_submit(self) -> None:
+        assert self._aio is not None
+        upto = self._written  # one fdatasync covers every write committed before it starts
+        try:
+            self._aio.submit()
+        except OSError as exc:
+            self._settle(upto, exc)
+            return
+        self._aio_inflight = self._sync_requested = upto
+
+    def _aio_done(self) -> None:
+        """The eventfd fired: settle the writers the fdatasync covered, start the next one if rows wait."""
+        assert self._aio is not None
+        res = self._aio.reap()
+        if res is None or not self._aio_inflight:
+            return
+        upto, self._aio_inflight = self._aio_inflight, 0
+        failure = None if res == 0 else OSError(-res, f"fdatasync {self._wal}: {os.strerror(-res)}")
+        if failure is None:
+            self.commits += 1
+        self._settle(upto, failure)
+        if self._waiters and not self._aio_inflight and self._written > upto:
+            self._aio_submit()
+        if upto - self._checkpoint_asked >= CHECKPOINT_WRITES and self._aio_loop is not None:
+            self._checkpoint_asked = upto  # the thread checkpoints (and checks the reserve), off the loop
+            self._sync_queue.put((upto, self._aio_loop, False))
 
     def _sync_forever(self) -> None:
         checkpointer = self._connect()
@@ -214,7 +260,7 @@ class TrajectoryLog:
             item = self._sync_queue.get()
             if item is None:
                 break
-            upto, loop = item
+            upto, loop, fsync = item
             while True:  # a burst of requests: one fsync covers them all
                 try:
                     more = self._sync_queue.get_nowait()
@@ -223,15 +269,16 @@ class TrajectoryLog:
                 if more is None:
                     self._sync_queue.put(None)
                     break
-                upto = max(upto, more[0])
+                upto, fsync = max(upto, more[0]), fsync or more[2]
             failure: BaseException | None = None
             try:
-                fd = os.open(self._wal, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    os.fdatasync(fd)  # as SQLite syncs: the data and the size, not the mtime
-                finally:
-                    os.close(fd)
-                self.commits += 1
+                if fsync:
+                    fd = os.open(self._wal, os.O_RDONLY | os.O_CLOEXEC)
+                    try:
+                        os.fdatasync(fd)  # as SQLite syncs: the data and the size, not the mtime
+                    finally:
+                        os.close(fd)
+                    self.commits += 1
                 if upto - checkpointed >= CHECKPOINT_WRITES:  # copy the WAL into the database (synced) so the
                     checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")  # WAL restarts from its start
                     checkpointed = upto
@@ -240,6 +287,10 @@ class TrajectoryLog:
                     self._ensure_reserve()
             except BaseException as exc:  # report to every waiter; the node keeps running
                 failure = exc
+            if not fsync:  # a checkpoint the AIO path asked for: nobody waits for it
+                if failure is not None:
+                    log.warning("checkpoint of %s failed: %s", self.path, failure)
+                continue
             try:
                 loop.call_soon_threadsafe(self._settle, upto, failure)
             except RuntimeError:  # the loop is closed: nobody waits any more
@@ -261,8 +312,15 @@ class TrajectoryLog:
                     future.set_exception(sqlite3.OperationalError(f"fsync of the log failed: {failure}"))
         self._waiters = still
         if failure is not None and still and self._sync_requested <= upto:  # retry for the rest
-            self._sync_requested = max(t for t, _ in still)
-            self._sync_queue.put((self._sync_requested, asyncio.get_running_loop()))
+            if self._aio is not None:
+                asyncio.get_running_loop().call_soon(self._retry_aio)
+            else:
+                self._sync_requested = max(t for t, _ in still)
+                self._sync_queue.put((self._sync_requested, asyncio.get_running_loop(), True))
+
+    def _retry_aio(self) -> None:
+        if self._waiters and not self._aio_inflight:
+            self._aio_submit()
 
     async def append(
         self,
@@ -375,6 +433,11 @@ class TrajectoryLog:
     def close(self) -> None:
         self._sync_queue.put(None)
         self._syncer.join(timeout=10)
+        if self._aio is not None:
+            if self._aio_loop is not None and not self._aio_loop.is_closed():
+                self._aio_loop.remove_reader(self._aio.eventfd)
+            self._aio.close()
+            self._aio = None
         self._db.close()
         self._reader.close()
 
