@@ -157,7 +157,6 @@ def test_the_session_sweeper_clears_a_killed_runs_leftovers(tmp_path_factory, no
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid that no longer exists: the "killed run"
     parent = f"shoal-test-sweep-{gone.pid}"
-    (RUN_MARKS / str(gone.pid)).touch()  # as a test run marks itself
     node = NodeProcess(tmp_path_factory.mktemp("sweep") / "home", parent).start()  # short: socket paths fit
     with node.client() as client:
         for _ in range(2):
@@ -166,11 +165,12 @@ def test_the_session_sweeper_clears_a_killed_runs_leftovers(tmp_path_factory, no
         client.create(image="busybox", pool=False, ttl_s=600).pause()
     if node_state == "killed":
         node.stop(signal.SIGKILL)
+    assert parent not in dead_run_parents()  # not a test run's (no mark): a real node's, never swept
+    # marked as a test run marks itself, only now: a concurrent run's session sweeper (another pytest on
+    # this machine) would otherwise take this "killed run" while it is being set up
+    (RUN_MARKS / str(gone.pid)).touch()
     assert parent in dead_run_parents()
     assert f"shoal-test-{os.getpid()}" not in dead_run_parents()  # this run is alive
-    (RUN_MARKS / str(gone.pid)).unlink()
-    assert parent not in dead_run_parents()  # not a test run's (no mark): a real node's, never swept
-    (RUN_MARKS / str(gone.pid)).touch()
     sweep_dead_run(parent)
     (RUN_MARKS / str(gone.pid)).unlink()
     assert parent not in dead_run_parents()
