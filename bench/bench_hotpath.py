@@ -353,9 +353,12 @@ async def flat_rate(client: shoal.AsyncClient, lives: list[int], k: int, pid: in
             fill_s += time.perf_counter() - t
             made += more
             ok = sum(isinstance(s, shoal.AsyncSandbox) for s in made)
+            with Meter(pid) as idle:  # what the node spends with nothing asked of it (the reaper's scans)
+                await asyncio.sleep(2.0)
             rate, node_ms, shoal_ms = await create_rate(client, k, pid)
             base = base or rate
             mounts = f"node's mount table {mount_count(pid)}, host's {mount_count(os.getpid())}"
+            mounts += f"; node idle {idle.node / idle.wall:.1f} CPU-ms/s"
             row(f"create+close rate, {ok} live", f"{rate:.1f}/s ({rate / base:.2f}x of 0 live)",
                 ">= 0.8x" if ok else "", rate / base >= 0.8 if ok else None)  # fmt: skip
             row("  node / shoal CPU per create+close", f"{node_ms:.2f} / {shoal_ms:.1f} ms; {mounts}")
