@@ -2,6 +2,7 @@
 alternated round by round, so both meet the same load.
 
     python bench/bench_hotpath_ab.py BEFORE_SRC [AFTER_SRC] [--rounds 4] [--n 100] [--only exec,bare,claim,tput]
+                                     [--image busybox]   (e.g. --image desktop --only claim --n 10: issue 15's row)
 
 BEFORE_SRC / AFTER_SRC are `src` directories of two checkouts (e.g. `git worktree add /tmp/before <commit>`,
 then /tmp/before/src; AFTER_SRC defaults to this tree's). Prints per variant: logged exec `true` (`exec`),
@@ -162,4 +163,7 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--n", type=int, default=100, help="execs per round (claims: at most 30)")
     parser.add_argument("--only", default="exec,bare,claim,tput")
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument("--image", default=IMAGE)
+    arguments = parser.parse_args()
+    IMAGE = arguments.image
+    asyncio.run(main(arguments))
