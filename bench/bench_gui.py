@@ -1,13 +1,15 @@
 """GUI sandbox benchmark: `sb.gui` beside the raw X tools run in the same Xvfb, in one run.
 
-    python bench/bench_gui.py [--quick]
+    python bench/bench_gui.py [--quick] [--vm | --vm-only]
 
 (a) screenshot: sb.gui.screenshot() (helper GetImage -> host PNG) vs `xwd -root` run inside the sandbox
     (timed in the sandbox, so without any shoal overhead) and vs sb.exec(["xwd", ...]) (a process per shot);
 (b) click -> changed pixels: click into the xterm, type a key, poll until the screen differs;
     raw: `xdotool key` timed in the sandbox; (c) input round trip: sb.gui.move vs `xdotool mousemove`;
 (d) desktop create: cold (Xvfb + xterm start) and claimed from a warm pool;
-(e) memory per idle desktop (its cgroup) and the node's share; (f) with --vm: a `vm` with a screen (QMP).
+(e) memory per idle desktop (its cgroup) and the node's share; (f) with --vm (or only them, --vm-only): a `vm`
+with a screen (QMP), image debian (framebuffer console) and vm-desktop (Xorg + xterm): screenshot, input,
+create from the template.
 CPU-ms per op is the node's CPU time (user+sys) over the row divided by its ops. The machine is shared:
 compare rows within one run.
 """
@@ -65,6 +67,22 @@ def row(name: str, seconds: list[float], cpu_ms: float | None = None) -> str:
     return summary(name, seconds) + (f"  node CPU {cpu_ms:.1f} ms/op" if cpu_ms is not None else "")
 
 
+async def changed_shots(sb: shoal.AsyncSandbox, pid: int, n: int) -> tuple[list[float], float]:
+    """Screenshots of a screen that changed since the previous one (a key into the xterm, then waiting for the
+    change): the helper encodes each, where a still screen's repeat is answered from its last encoding."""
+    await sb.gui.click(200, 100)
+    seconds, cpu = [], 0.0
+    for i in range(n):
+        await sb.gui.key("a" if i % 2 == 0 else "BackSpace")
+        assert await sb.gui.wait_for_change(timeout=10), "the screen did not change after a key"
+        before = node_cpu_s(pid)
+        t = time.perf_counter()
+        await sb.gui.screenshot()
+        seconds.append(time.perf_counter() - t)
+        cpu += node_cpu_s(pid) - before
+    return seconds, cpu * 1e3 / n
+
+
 async def click_to_change(sb: shoal.AsyncSandbox, n: int) -> list[float]:
     await sb.gui.click(200, 100)
     seconds = []
@@ -80,12 +98,14 @@ async def click_to_change(sb: shoal.AsyncSandbox, n: int) -> list[float]:
     return seconds
 
 
-async def vm_rows(client: shoal.AsyncClient, pid: int, n: int) -> None:
-    """A `vm` with a screen: screenshots and input through QMP (TCG here: no usable KVM)."""
+async def vm_rows(client: shoal.AsyncClient, pid: int, n: int, image: str = "debian") -> None:
+    """A `vm` with a screen: screenshots and input through QMP (TCG here: no usable KVM). Image "debian" shows
+    the framebuffer console, "vm-desktop" Xorg with an xterm."""
     t = time.perf_counter()
-    vm = await client.create("vm", image="debian", screen=(1280, 800), pool=False, ttl_s=1800)
+    vm = await client.create("vm", image=image, screen=(1280, 800), pool=False, ttl_s=1800)
     print(
-        f"\n(f) vm with a screen, 1280x800 (QMP; first create incl. any template boot: {time.perf_counter() - t:.1f} s)"
+        f"\n(f) vm {image} with a screen, 1280x800 (QMP; first create incl. any template boot: "
+        f"{time.perf_counter() - t:.1f} s)"
     )
     try:
         shots, cpu = await timed(n, pid, vm.gui.screenshot)
@@ -96,12 +116,12 @@ async def vm_rows(client: shoal.AsyncClient, pid: int, n: int) -> None:
         keys, cpu = await timed(n, pid, lambda: vm.gui.key("a"))
         print(row("shoal vm.gui.key('a') (press + release)", keys, cpu))
         creates = []
-        for _ in range(3):
+        for _ in range(5):
             t = time.perf_counter()
-            one = await client.create("vm", image="debian", screen=(1280, 800), pool=False, ttl_s=600)
+            one = await client.create("vm", image=image, screen=(1280, 800), pool=False, ttl_s=600)
             creates.append(time.perf_counter() - t)
             await one.close()
-        print(row("vm with a screen: create (template restore)", creates))
+        print(row(f"vm {image}: create (template restore)", creates))
     finally:
         await vm.close()
 
@@ -112,6 +132,10 @@ async def main(args: argparse.Namespace) -> None:
     try:
         async with shoal.AsyncClient() as client:
             pid = (await client.status())["pid"]
+            if args.vm_only:
+                for image in ("debian", "vm-desktop"):
+                    await vm_rows(client, pid, max(10, n // 3), image)
+                return
             t = time.perf_counter()
             sb = await client.create(image=IMAGE, pool=False, ttl_s=1800)
             print(f"shoal GUI benchmark — image {IMAGE} 1280x800, {n} iterations per row "
@@ -121,7 +145,9 @@ async def main(args: argparse.Namespace) -> None:
                 print("(a) screenshot of 1280x800")
                 shots, cpu = await timed(n, pid, sb.gui.screenshot)
                 size = len((await sb.gui.screenshot()).png)
-                print(row(f"shoal sb.gui.screenshot() (PNG {size >> 10} KiB)", shots, cpu))
+                print(row(f"shoal sb.gui.screenshot(), still screen (PNG {size >> 10} KiB)", shots, cpu))
+                fresh, cpu = await changed_shots(sb, pid, n)
+                print(row("shoal sb.gui.screenshot(), screen changed since", fresh, cpu))
                 print(
                     row(
                         "raw xwd -root, timed inside the sandbox",
@@ -158,7 +184,8 @@ async def main(args: argparse.Namespace) -> None:
             await client.close_all(labels={"bench": "gui-claim"})
             print(row("create from a warm pool", claims))
             if args.vm:
-                await vm_rows(client, pid, max(10, n // 3))
+                for image in ("debian", "vm-desktop"):
+                    await vm_rows(client, pid, max(10, n // 3), image)
             print("\n(e) memory per idle desktop")
             before = rss_mb(pid)
             idle = await client.create_many(5, image=IMAGE, pool=False, labels={"bench": "gui-idle"}, ttl_s=600)
@@ -176,5 +203,6 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--vm", action="store_true", help="also a vm with a screen (QMP; boots a template first)")
+    parser.add_argument("--vm", action="store_true", help="also vms with a screen (QMP; boots templates first)")
+    parser.add_argument("--vm-only", action="store_true", help="only the vm rows (debian's console, vm-desktop)")
     asyncio.run(main(parser.parse_args()))

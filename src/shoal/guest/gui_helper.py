@@ -102,6 +102,7 @@ class Gui:
         geometry = self.root.get_geometry()
         self.width, self.height = geometry.width, geometry.height
         self.spare: int | None = None
+        self.last_shot: tuple[str, dict, bytes] | None = None  # (digest, meta, image data) of the last screenshot
         try:
             self.grabber: Grabber | None = Grabber(self.width, self.height)
         except OSError:  # no libX11 in this image: python-xlib's GetImage (slower, same pixels)
@@ -126,8 +127,13 @@ class Gui:
         return {"digest": self._digest(self._pixels())}, b""
 
     def screenshot(self) -> tuple[dict, bytes]:
-        """PNG image data: scanlines of filter 0 + RGB, zlib level 1 (slice copies run at C speed)."""
+        """PNG image data: scanlines of filter 0 + RGB, zlib level 1 (slice copies run at C speed). A screen
+        whose pixels have not changed since the last screenshot is not encoded again: an agent polling a still
+        screen pays for the grab and the digest only."""
         bgrx = self._pixels()
+        digest = self._digest(bgrx)
+        if self.last_shot is not None and self.last_shot[0] == digest:
+            return self.last_shot[1], self.last_shot[2]
         width, height = self.width, self.height
         rgb = bytearray(width * height * 3)
         rgb[0::3] = bgrx[2::4]
@@ -138,8 +144,9 @@ class Gui:
         for row in range(height):
             start = row * (stride + 1) + 1
             rows[start : start + stride] = rgb[row * stride : (row + 1) * stride]
-        meta = {"width": width, "height": height, "digest": self._digest(bgrx)}
-        return meta, zlib.compress(rows, 1)
+        meta = {"width": width, "height": height, "digest": digest}
+        self.last_shot = (digest, meta, zlib.compress(rows, 1))
+        return meta, self.last_shot[2]
 
     def move(self, x: int, y: int) -> None:
         xtest.fake_input(self.d, X.MotionNotify, x=int(x), y=int(y))
