@@ -62,10 +62,12 @@ images: venv vm-images
 	@$(PY) -m shoal.images.builtin busybox debian debian-dev desktop
 
 # microvm/vm: Debian's kernel (apt-get download, unpacked into SHOAL_VM_CACHE), the initramfs, the systemd
-# Debian root for `vm`, and the accelerator probe (KVM if a guest really boots under it, else TCG).
+# Debian root for `vm`, the same with Xorg and an xterm for image `vm-desktop` (≈3.5 min on a loaded 2-core
+# machine), and the accelerator probe (KVM if a guest really boots under it, else TCG).
 vm-images: venv agent
 	@$(PY) -m shoal.substrates.qemu.kernel
 	@$(PY) -c "from shoal.substrates.qemu.kernel import cache_dir; from shoal.substrates.vm.rootfs import ensure_vm_rootfs; print('vm rootfs:', ensure_vm_rootfs(cache_dir()))"
+	@$(PY) -c "from shoal.substrates.qemu.kernel import cache_dir; from shoal.substrates.vm.rootfs import ensure_desktop_rootfs; print('vm-desktop rootfs:', ensure_desktop_rootfs(cache_dir()))"
 	@$(PY) -m shoal.substrates.qemu.accel
 
 demo: setup

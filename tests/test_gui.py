@@ -288,3 +288,65 @@ def test_fork_of_a_vm_with_a_screen(client: shoal.Client) -> None:
             for k in kids:
                 if isinstance(k, shoal.Sandbox):
                     k.close()
+
+
+def _vm_desktop(client: shoal.Client) -> shoal.Sandbox:
+    """A `vm-desktop` (systemd Debian + Xorg on QEMU's VGA, an xterm at the top left, no window manager):
+    its root tree is built by `make images`, its first create boots and saves the template (minutes under TCG)."""
+    if "vm" not in client.kinds():
+        pytest.skip("QEMU is not installed on this node")
+    return client.create("vm", image="vm-desktop", screen=(1024, 768), pool=False, ttl_s=1800)
+
+
+def _x_pointer(vm: shoal.Sandbox) -> tuple[int, int]:
+    """Where the guest's X server has its pointer (xdotool in the guest: a check, not a GUI action)."""
+    out = dict(line.split("=", 1) for line in vm.exec("xdotool getmouselocation --shell").stdout.split())
+    return int(out["X"]), int(out["Y"])
+
+
+def _near(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return abs(a[0] - b[0]) <= 1 and abs(a[1] - b[1]) <= 1  # the tablet's 0..32767 scaling rounds
+
+
+def test_a_vm_desktop_through_the_gui_alone(client: shoal.Client) -> None:
+    """Xorg in a VM driven from the host over QMP: the USB tablet moves X's pointer, a click focuses the xterm
+    and typing there runs the command (the file is checked with exec)."""
+    with _vm_desktop(client) as vm:
+        first = vm.gui.screenshot()
+        assert first.size == (1024, 768) and _png_size(first.png) == (1024, 768)
+        vm.gui.move(300, 200)  # the tablet's absolute position is where X puts its pointer
+        _wait(lambda: _near(_x_pointer(vm), (300, 200)), timeout=120, what="X's pointer at 300,200")
+        vm.gui.click(100, 100)  # into the xterm: focus follows the pointer
+        before = vm.gui.screenshot()
+        vm.gui.type("echo hi > /tmp/gui-ok")
+        vm.gui.key("Return")
+        _wait(lambda: vm.exec("test -f /tmp/gui-ok").exit_code == 0, timeout=120, what="/tmp/gui-ok")
+        assert vm.files.read_text("/tmp/gui-ok") == "hi\n"
+        after = vm.gui.screenshot()
+        assert after.size == (1024, 768) and _png_pixels(after.png) != _png_pixels(before.png)
+        assert "gui" in [step["op"] for step in vm.log()]
+
+
+def test_fork_of_a_vm_desktop(client: shoal.Client) -> None:
+    """Copies of a vm-desktop show the same screen at first and differ after different input (issue 15)."""
+    with _vm_desktop(client) as vm:
+        vm.gui.click(100, 100)
+        vm.gui.type("echo parent > /tmp/parent\n")
+        _wait(lambda: vm.exec("test -f /tmp/parent").exit_code == 0, timeout=120, what="/tmp/parent")
+        kids = vm.fork(count=2)
+        try:
+            assert all(isinstance(k, shoal.Sandbox) for k in kids), kids
+            assert [k.gui.screenshot().size for k in kids] == [(1024, 768), (1024, 768)]  # type: ignore[union-attr]
+            same = lambda: len({_png_pixels(k.gui.screenshot().png) for k in kids}) == 1  # type: ignore[union-attr]  # noqa: E731
+            _wait(same, timeout=120, what="the copies to show the same screen")
+            for kid, text in zip(kids, ["first copy", "second"], strict=True):
+                kid.gui.type(f"echo {text} > /tmp/kid\n")  # type: ignore[union-attr]
+            for kid, text in zip(kids, ["first copy", "second"], strict=True):
+                read = lambda k=kid: k.exec("cat /tmp/kid 2>/dev/null").stdout  # noqa: E731
+                _wait(lambda r=read, t=text: r() == t + "\n", timeout=120, what=text)
+            shots = [k.gui.screenshot() for k in kids]  # type: ignore[union-attr]
+            assert _png_pixels(shots[0].png) != _png_pixels(shots[1].png)
+        finally:
+            for k in kids:
+                if isinstance(k, shoal.Sandbox):
+                    k.close()

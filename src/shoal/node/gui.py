@@ -24,7 +24,7 @@ from shoal.guest.client import AgentClient, ExecProcess
 HELPER_PATH = "/.shoal/gui_helper.py"
 DEFAULT_SCREEN = (1280, 800)
 SCREEN_KINDS = ("container", "vm")  # a vm's screen is QEMU's, driven over QMP (substrates/qemu/screen.py)
-SCREEN_IMAGES = ("desktop",)  # images whose sandboxes get DEFAULT_SCREEN when create names none
+SCREEN_IMAGES = ("desktop", "vm-desktop")  # images whose sandboxes get DEFAULT_SCREEN when create names none
 ACTIONS = ("screenshot", "click", "move", "drag", "scroll", "type", "key", "cursor", "wait_for_change")
 _HELPER_SOURCE = Path(__file__).parents[1] / "guest" / "gui_helper.py"
 _U32 = struct.Struct(">I")

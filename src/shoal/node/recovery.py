@@ -142,7 +142,8 @@ async def adopt(directory: Path, node_images: NodeImages, substrate: Substrate) 
         except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
             raise NotAdoptable(f"its agent does not answer on {instance.agent_socket} ({exc!r})") from None
     try:
-        image = await node_images.acquire(await node_images.resolve(spec.image, spec.layers))
+        own = substrate.own_image(spec.image) if not spec.layers else None
+        image = await node_images.acquire(own or await node_images.resolve(spec.image, spec.layers))
     except Exception as exc:
         raise NotAdoptable(f"its image {node['image']!r} cannot be used any more ({exc})") from None
     sandbox = Sandbox(

@@ -459,7 +459,7 @@ class NodeService:
             spec = msgspec.structs.replace(spec, image=substrate.snapshot_meta(spec.snapshot)["image"])
             image = None
         if image is None:
-            image = await self.node_images.resolve(spec.image, spec.layers)
+            image = await self.resolve_image(spec)
         sandbox_id = f"{self.settings.node_id}-{secrets.token_hex(6)}"
         # The making runs as its own task, counted in `_creating` until it has truly finished, cleanup included.
         # Cancelled, it is cancelled exactly once: a second cancel (the request's connection going away after
@@ -514,6 +514,12 @@ class NodeService:
             instance, image, agent, screen = task.result()
             orphan = Sandbox(id=instance.id, spec=spec, image=image, instance=instance, agent=agent, screen=screen)
             self._start_destroy(orphan)
+
+    async def resolve_image(self, spec: SandboxSpec) -> Image:
+        """The image a create of `spec` runs: one its kind builds itself (vm-desktop), else the store's."""
+        substrate = self.substrates.get(spec.kind)
+        own = substrate.own_image(spec.image) if substrate is not None and not spec.layers else None
+        return own or await self.node_images.resolve(spec.image, spec.layers)
 
     async def image_named(self, name: str) -> Image:
         """Image `name` from the store (built first if it is a builtin); its layers are not mounted."""
@@ -1358,7 +1364,7 @@ class NodeService:
         spec = self._with_default_caps(spec)  # the same pool key a create without caps will look up
         if spec.kind == "function":
             return await self.functions.set_warm(spec, size, wait)
-        await self.node_images.resolve(spec.image, spec.layers)
+        await self.resolve_image(spec)
         await self.pools.configure(spec, size)
         if wait:
             await self.pools.wait_full(spec)

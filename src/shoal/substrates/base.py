@@ -108,6 +108,11 @@ class Substrate(ABC):
         """(`capabilities.guest_nic`) A command the guest runs to give its NIC `address`/30 via `gateway`."""
         return None
 
+    def own_image(self, name: str) -> Image | None:
+        """An image this kind builds itself rather than the image store (the vm's "vm-desktop": a systemd root
+        with a display session, meaningless as a container); None for names the store resolves."""
+        return None
+
     def screen(self, instance: Instance) -> Any:
         """A screen this kind drives from the host (a VM's, over QMP): an object with `act(action, args)` and
         `close()` like node/gui.Screen; None when the sandbox has none (containers run an in-sandbox helper)."""

@@ -31,6 +31,10 @@ from shoal.guest import agent_binary_path
 MODULES = [
     "virtio_pci", "virtio_mmio", "virtio_blk", "virtio_console", "virtio_rng", "virtio_net", "crc32c_generic", "ext4",
 ]  # fmt: skip
+# Not in the initramfs: a guest root with a display session (vm-desktop) loads these itself (ensure_modules):
+# the xHCI controller and HID drivers of QEMU's USB tablet, and evdev, through which Xorg reads the tablet and
+# the PS/2 keyboard. The display needs none: the VGA's VESA mode is the kernel's built-in vesafb (/dev/fb0).
+SCREEN_MODULES = ["xhci_pci", "usbhid", "hid_generic", "evdev"]
 
 INIT_SCRIPT = r"""#!/bin/busybox sh
 # shoal initramfs: load virtio modules, mount the VM's disk, hand over to the agent (microvm) or init (vm).
@@ -93,18 +97,9 @@ def ensure_kernel(cache: Path | None = None) -> tuple[Path, Path, str]:
             # a cache made before a module was added to MODULES: fetch the package again, add what is missing
             # (files are added, never replaced, and the order is renamed into place: running nodes read it)
             version = kdir.name.removeprefix("kernel-")
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                _apt(["apt-get", "download", "-q", f"linux-image-{version}"], tmp)
-                deb = next(Path(tmp).glob("linux-image-*.deb"))
-                subprocess.run(["dpkg-deb", "-x", str(deb), f"{tmp}/x"], check=True)
-                index = _module_index(Path(tmp, "x/lib/modules", version, "kernel"))
-                wanted = _with_dependencies(MODULES, index)
-                for name in wanted:
-                    if not (kdir / "modules" / f"{name}.ko").exists():
-                        shutil.copy2(index[name], kdir / "modules" / f".{name}.ko.tmp")
-                        os.replace(kdir / "modules" / f".{name}.ko.tmp", kdir / "modules" / f"{name}.ko")
-                (kdir / "modules" / ".order.tmp").write_text("\n".join(wanted) + "\n")
-                os.replace(kdir / "modules" / ".order.tmp", kdir / "modules" / "order")
+            wanted = _add_modules(kdir, version, MODULES)
+            (kdir / "modules" / ".order.tmp").write_text("\n".join(wanted) + "\n")
+            os.replace(kdir / "modules" / ".order.tmp", kdir / "modules" / "order")
             return kdir / "vmlinuz", kdir / "modules", version
         if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
             raise ImageError("no guest kernel cached and apt-get/dpkg-deb are missing: run `make vm-kernel` on Debian")
@@ -123,12 +118,42 @@ def ensure_kernel(cache: Path | None = None) -> tuple[Path, Path, str]:
             shutil.copy2(vmlinuz, kdir / "vmlinuz")
             shutil.copy2(Path(tmp, "x/boot", f"config-{version}"), kdir / "config")
             index = _module_index(Path(tmp, "x/lib/modules", version, "kernel"))
-            for name in _with_dependencies(MODULES, index):
+            for name in _with_dependencies([*MODULES, *SCREEN_MODULES], index):  # one download serves both
                 shutil.copy2(index[name], kdir / "modules" / f"{name}.ko")
             (kdir / "modules" / "order").write_text("\n".join(_with_dependencies(MODULES, index)) + "\n")
             final = cache / f"kernel-{version}"
             os.replace(kdir, final)
         return final / "vmlinuz", final / "modules", version
+
+
+def _add_modules(kdir: Path, version: str, names: list[str]) -> list[str]:
+    """Copy `names` and their dependencies from Debian's kernel package into `kdir/modules` (fetched again:
+    the cache keeps only the modules asked for so far); returns them in load order."""
+    with tempfile.TemporaryDirectory(dir=kdir.parent) as tmp:
+        _apt(["apt-get", "download", "-q", f"linux-image-{version}"], tmp)
+        deb = next(Path(tmp).glob("linux-image-*.deb"))
+        subprocess.run(["dpkg-deb", "-x", str(deb), f"{tmp}/x"], check=True)
+        index = _module_index(Path(tmp, "x/lib/modules", version, "kernel"))
+        wanted = _with_dependencies(names, index)
+        for name in wanted:
+            if not (kdir / "modules" / f"{name}.ko").exists():
+                shutil.copy2(index[name], kdir / "modules" / f".{name}.ko.tmp")
+                os.replace(kdir / "modules" / f".{name}.ko.tmp", kdir / "modules" / f"{name}.ko")
+        return wanted
+
+
+def ensure_modules(names: list[str], cache: Path | None = None) -> tuple[str, list[Path]]:
+    """(kernel version, the .ko files of `names` and their dependencies in load order) for a guest root that
+    loads them itself (vm-desktop: display and USB input). The initramfs's own list (`order`) is untouched."""
+    cache = cache or cache_dir()
+    _, modules, version = ensure_kernel(cache)
+    with _locked(cache / ".kernel.lock"):
+        have = {p.name[:-3]: p for p in modules.glob("*.ko")}
+        try:
+            wanted = _with_dependencies(names, have)
+        except ImageError:  # one of them (or a dependency) is not cached yet
+            wanted = _add_modules(modules.parent, version, names)
+        return version, [modules / f"{name}.ko" for name in wanted]
 
 
 def _apt(argv: list[str], cwd: str) -> str:

@@ -75,6 +75,7 @@ class QemuSubstrate(Substrate):
     capabilities = Capabilities(pause=True, memory_snapshots=True, readopt=True, guest_nic=True)
     machine_type = "q35"
     boot_mode = "microvm"
+    default_screens: dict[str, tuple[int, int]] = {}  # image name -> the screen it gets when create names none
 
     def __init__(self, home: Path, sandboxes_dir: Path, cache: Path | None = None) -> None:
         self.home = home
@@ -111,7 +112,7 @@ class QemuSubstrate(Substrate):
         cmdline = f"console=ttyS0 quiet panic=-1 shoal.mode={self.boot_mode} random.trust_cpu=on"
         if machine == "microvm" and accel.name == "tcg":  # no PIT/HPET reference: skip TSC calibration
             cmdline += " tsc_early_khz=1000000 tsc=reliable"
-        screen = list(spec.screen) if spec.screen else None
+        screen = list(spec.screen or self.default_screens.get(spec.image, ())) or None
         if screen is not None:
             screen_mod.device_args(machine)  # refuses a machine without PCI
             cmdline += f" vga={screen_mod.vga_mode(*screen):#x}"  # the framebuffer console at that size
@@ -511,22 +512,32 @@ class QemuSubstrate(Substrate):
         return running.machine.log_tail() if running and running.machine else ""
 
 
-# A root shell on the first virtual console, so a VM's screen shows a terminal the GUI can type into. Only
-# in guests that have bash (shoal's Debian); others show whatever their own init puts on the screen. It waits
-# for the shell's prompt on the screen (/dev/vcs1): a template saved before the shell opened its terminal
-# would drop the first keys its copies get (a console nobody has open discards input).
-_CONSOLE = """test -x /bin/bash || exit 0
+# What a VM's screen shows before its template is saved. An image with its own X session (vm-desktop: an
+# /etc/shoal/xsession that marks /run/shoal-desktop-ready once its xterm is on the screen) is waited for; a
+# template saved earlier would make every copy boot Xorg again. Other guests that have bash (shoal's Debian)
+# get a root shell on the first virtual console, waited for until its prompt is on the screen (/dev/vcs1): a
+# template saved before the shell opened its terminal would drop the first keys its copies get (a console
+# nobody has open discards input). Guests without either show whatever their own init puts on the screen.
+_CONSOLE = """if [ -e /etc/shoal/xsession ]; then
+  end=$(($(date +%s) + 300)); while [ "$(date +%s)" -lt $end ] && [ ! -e /run/shoal-desktop-ready ]; do sleep 0.2; done
+  [ -e /run/shoal-desktop-ready ] && exit 0
+  systemctl status --no-pager -n 30 shoal-desktop.service; tail -n 30 /var/log/Xorg.0.log; exit 1
+fi
+test -x /bin/bash || exit 0
 setsid -f /bin/bash -c 'exec /bin/bash -l <>/dev/tty1 >&0 2>&1'
 i=0; while [ $i -lt 1200 ] && ! grep -q '[#$] *$' /dev/vcs1 2>/dev/null; do sleep 0.1; i=$((i+1)); done"""
 
 
 async def _start_console(agent: AgentClient) -> None:
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "TERM": "linux", "LANG": "C.UTF-8"}
-    proc = await agent.exec(["/bin/sh", "-c", _CONSOLE], env=env, cwd="/")
+    proc = await agent.exec(["/bin/sh", "-c", _CONSOLE], env=env, cwd="/", merge_stderr=True)
     try:
-        await asyncio.wait_for(proc.collect(), 180)
+        out, _, exit_info = await asyncio.wait_for(proc.collect(), 360)
     finally:
         await proc.close()
+    if exit_info.exit_code != 0:
+        tail = out.decode(errors="replace")[-2000:]
+        raise SandboxLostError(f"the VM's desktop did not come up in 300 s: {tail}")
 
 
 def _flatten(source: Path, target: Path) -> None:
