@@ -1,15 +1,15 @@
 """GUI sandbox benchmark: `sb.gui` beside the raw X tools run in the same Xvfb, in one run.
 
-    python bench/bench_gui.py [--quick] [--vm | --vm-only]
+    python bench/bench_gui.py [--quick] [--vm | --vm-desktop]
 
 (a) screenshot: sb.gui.screenshot() (helper GetImage -> host PNG) vs `xwd -root` run inside the sandbox
     (timed in the sandbox, so without any shoal overhead) and vs sb.exec(["xwd", ...]) (a process per shot);
 (b) click -> changed pixels: click into the xterm, type a key, poll until the screen differs;
     raw: `xdotool key` timed in the sandbox; (c) input round trip: sb.gui.move vs `xdotool mousemove`;
 (d) desktop create: cold (Xvfb + xterm start) and claimed from a warm pool;
-(e) memory per idle desktop (its cgroup) and the node's share; (f) with --vm (or only them, --vm-only): a `vm`
-with a screen (QMP), image debian (framebuffer console) and vm-desktop (Xorg + xterm): screenshot, input,
-create from the template.
+(e) memory per idle desktop (its cgroup) and the node's share; (f) with --vm: a `vm` with a screen (QMP), image
+debian (framebuffer console) and vm-desktop (Xorg + xterm): screenshot, input, create from the template
+(--vm-desktop: only the vm-desktop rows).
 CPU-ms per op is the node's CPU time (user+sys) over the row divided by its ops. The machine is shared:
 compare rows within one run.
 """
@@ -132,9 +132,8 @@ async def main(args: argparse.Namespace) -> None:
     try:
         async with shoal.AsyncClient() as client:
             pid = (await client.status())["pid"]
-            if args.vm_only:
-                for image in ("debian", "vm-desktop"):
-                    await vm_rows(client, pid, max(10, n // 3), image)
+            if args.vm_desktop:
+                await vm_rows(client, pid, max(10, n // 3), "vm-desktop")
                 return
             t = time.perf_counter()
             sb = await client.create(image=IMAGE, pool=False, ttl_s=1800)
@@ -204,5 +203,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--vm", action="store_true", help="also vms with a screen (QMP; boots templates first)")
-    parser.add_argument("--vm-only", action="store_true", help="only the vm rows (debian's console, vm-desktop)")
+    parser.add_argument("--vm-desktop", action="store_true", help="only the rows of a vm-desktop (Xorg over QMP)")
     asyncio.run(main(parser.parse_args()))

@@ -34,6 +34,9 @@ VESA_MODES = {
 DEFAULT_VM_SCREEN = (1280, 800)
 VNC_SOCKET = "vnc.sock"  # QEMU's VNC server of the screen, in the VM's directory (the live view)
 
+# Between the characters of `type`: QEMU's PS/2 keyboard queues 16 bytes of scancodes and drops what comes on
+# top, so a burst of keys faster than the guest's vCPU drains them (a loaded host, TCG) loses characters.
+TYPE_INTERVAL_S = 0.03
 BUTTONS = {"left": "left", "middle": "middle", "right": "right"}
 # xdotool / X keysym names (lower-cased) -> QEMU QKeyCode.
 KEYS = {
@@ -192,7 +195,9 @@ class QmpScreen:
         for char in text:
             if char not in CHARS:
                 raise InvalidRequestError(f"cannot type {char!r} on a VM's US keyboard (ASCII only)")
-        for char in text:
+        for index, char in enumerate(text):
+            if index:
+                await asyncio.sleep(TYPE_INTERVAL_S)
             code, shift = CHARS[char]
             await self._press(["shift", code] if shift else [code])
 
