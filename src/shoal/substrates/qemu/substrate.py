@@ -519,7 +519,7 @@ class QemuSubstrate(Substrate):
 # template saved before the shell opened its terminal would drop the first keys its copies get (a console
 # nobody has open discards input). Guests without either show whatever their own init puts on the screen.
 _CONSOLE = """if [ -e /etc/shoal/xsession ]; then
-  end=$(($(date +%s) + 300)); while [ "$(date +%s)" -lt $end ] && [ ! -e /run/shoal-desktop-ready ]; do sleep 0.2; done
+  end=$(($(date +%s) + 600)); while [ "$(date +%s)" -lt $end ] && [ ! -e /run/shoal-desktop-ready ]; do sleep 0.2; done
   [ -e /run/shoal-desktop-ready ] && exit 0
   systemctl status --no-pager -n 30 shoal-desktop.service; tail -n 30 /var/log/Xorg.0.log; exit 1
 fi
@@ -532,12 +532,12 @@ async def _start_console(agent: AgentClient) -> None:
     env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "TERM": "linux", "LANG": "C.UTF-8"}
     proc = await agent.exec(["/bin/sh", "-c", _CONSOLE], env=env, cwd="/", merge_stderr=True)
     try:
-        out, _, exit_info = await asyncio.wait_for(proc.collect(), 360)
+        out, _, exit_info = await asyncio.wait_for(proc.collect(), 660)
     finally:
         await proc.close()
     if exit_info.exit_code != 0:
         tail = out.decode(errors="replace")[-2000:]
-        raise SandboxLostError(f"the VM's desktop did not come up in 300 s: {tail}")
+        raise SandboxLostError(f"the VM's desktop did not come up in 600 s: {tail}")
 
 
 def _flatten(source: Path, target: Path) -> None:

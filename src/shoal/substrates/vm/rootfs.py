@@ -67,6 +67,11 @@ until udevadm settle --timeout=600 && has "AT Translated" && has Tablet; do slee
 touch /run/shoal-desktop-ready
 wait
 """
+# The agent unit restarts every 0.2 s until udev has named its virtio port; systemd's default start limit (5
+# starts in 10 s) would give up for good while a desktop's slower coldplug (USB, input) runs under TCG.
+AGENT_RETRY = """[Unit]
+StartLimitIntervalSec=0
+"""
 # Autologin without a display manager: root's X session starts on tty1 at boot (getty@tty1 is masked).
 DESKTOP_UNIT = """[Unit]
 Description=shoal desktop: Xorg on tty1 with an xterm, logged in as root
@@ -102,7 +107,8 @@ def ensure_desktop_rootfs(cache: Path) -> Path:
     the same light desktop as the `desktop` container image (an xterm at the top left, no window manager, so
     focus follows the pointer), and the kernel modules of the USB tablet (≈3-5 min on first use, then cached)."""
     version, modules = ensure_modules(SCREEN_MODULES, cache)
-    parts = [DEBIAN_SUITE, *DESKTOP_PACKAGES, AGENT_UNIT, *MASKED, DESKTOP_UNIT, XSESSION, XORG_CONF, version]
+    parts = [DEBIAN_SUITE, *DESKTOP_PACKAGES, AGENT_UNIT, AGENT_RETRY, *MASKED, DESKTOP_UNIT, XSESSION, XORG_CONF]
+    parts.append(version)
     key = hashlib.sha256(" ".join([*parts, *SCREEN_MODULES]).encode()).hexdigest()[:12]
 
     def customize(root: Path) -> None:
@@ -120,6 +126,8 @@ def ensure_desktop_rootfs(cache: Path) -> Path:
         session = root / "etc/shoal/xsession"
         session.write_text(XSESSION)
         session.chmod(0o755)
+        (root / "etc/systemd/system/shoal-agent.service.d").mkdir(parents=True, exist_ok=True)
+        (root / "etc/systemd/system/shoal-agent.service.d/retry.conf").write_text(AGENT_RETRY)
         (root / "etc/systemd/system/shoal-desktop.service").write_text(DESKTOP_UNIT)
         wants = root / "etc/systemd/system/multi-user.target.wants"
         wants.mkdir(parents=True, exist_ok=True)
