@@ -115,3 +115,30 @@ def test_snapshot_of_a_disk_limited_sandbox_keeps_its_writes(client: shoal.Clien
             assert restored.exec("cat /root/kept").stdout == "on-its-own-disk\n"
     finally:
         client.image_rm(name)
+
+
+def test_vm_disk_cap_holds_in_the_guest_and_on_the_host(client: shoal.Client, node: NodeProcess) -> None:
+    """disk_mb on a microvm is the free space the agent leaves on the guest's root: writing past it fails
+    with ENOSPC in the guest, the sandbox answers on, and the host's qcow2 stays near the cap, also when the
+    guest deletes and writes again (the root is remounted with discard, QEMU punches what it frees)."""
+    if "microvm" not in client.kinds():
+        pytest.skip("QEMU is not installed on this node")
+    cap = 64
+    with client.create("microvm", image="debian", disk_mb=cap, pool=False, ttl_s=900) as sb:
+        disk = node.home / "sandboxes" / sb.id / "disk.qcow2"
+        available_kb = int(sb.exec(["df", "-k", "/"]).stdout.split("\n")[1].split()[3])
+        assert (cap - 8) << 10 < available_kb <= cap << 10, available_kb
+        r = sb.exec("dd if=/dev/zero of=/root/fill bs=1M count=200; sync; ls -l /root/fill", timeout=600)
+        assert "No space left on device" in r.stderr, r.stderr
+        size = int(r.stdout.split()[4])
+        assert (cap - 16) << 20 < size <= cap << 20, size
+        with pytest.raises(shoal.ShoalError, match="No space"):
+            sb.files.write("/root/more.bin", b"x" * (4 << 20))
+        assert sb.exec("echo still answers").stdout == "still answers\n"
+        host = [disk.stat().st_blocks * 512]
+        for _ in range(3):  # what the guest deletes is free again, in the guest and (discarded) on the host
+            again = "rm /root/fill && sync && dd if=/dev/zero of=/root/fill bs=1M count=48 2>/dev/null && sync"
+            assert sb.exec(again + " && echo ok", timeout=600).stdout == "ok\n"
+            host.append(disk.stat().st_blocks * 512)
+        print(f"microvm disk_mb={cap}: host qcow2 allocated {[h >> 20 for h in host]} MiB")
+        assert max(host) <= (cap + 32) << 20, host

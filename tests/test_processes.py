@@ -17,9 +17,9 @@ import shoal
 LEFTOVERS = "sleep 101 >/dev/null 2>&1 & setsid sh -c 'sleep 102 >/dev/null 2>&1 &'; (sh -c 'sleep 103 &' &); echo ok"
 # bash retries a fork that fails, so this bomb holds every pid of a pids=64 sandbox until it is killed
 BOMB = "bash -c 'bomb() { bomb | bomb & }; bomb' >/dev/null 2>&1; echo started"
-# Where pids does not cap the bomb, a tree bounded by its depth (2^(d+1) processes that stay): the microvm
-# guest (its kernel sees no cgroup of ours) and runsc (pids counts gVisor's own host threads, and a bomb
-# that reaches it takes the sandbox down, so it is reported lost, rather than failing its forks).
+# Where pids does not cap the bomb, a tree bounded by its depth (2^(d+1) processes that stay): runsc (pids
+# counts gVisor's own host threads, and a bomb that reaches it takes the sandbox down, so it is reported
+# lost, rather than failing its forks). In a microvm the agent puts commands in a guest cgroup with the limit.
 TREE = "tree() { if [ $1 -gt 0 ]; then tree $(($1-1)) & tree $(($1-1)) & wait; else sleep 300; fi; }; "
 TREE += "tree DEPTH >/dev/null 2>&1 & echo started"
 
@@ -77,7 +77,7 @@ def test_kill_processes_ends_a_fork_bomb_the_exec_left(
     if runtime and shutil.which(runtime) is None:
         pytest.skip(f"runtime {runtime} is not installed on this host")
     if kind == "microvm":
-        options, image, cmd = {"memory_mb": 512}, "debian", TREE.replace("DEPTH", "6")
+        options, image, cmd = {"memory_mb": 512, "pids": 64}, "debian", BOMB
     elif runtime == "runsc":
         options, image, cmd = {"runtime": runtime}, "busybox", TREE.replace("DEPTH", "4")
     else:
@@ -89,6 +89,12 @@ def test_kill_processes_ends_a_fork_bomb_the_exec_left(
         while len(sb.processes()) < 20 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert len(sb.processes()) >= 20
+        if cmd == BOMB:  # refused past the limit: forks failed, and the bomb holds no more than it allows
+            time.sleep(1)
+            assert len(sb.processes()) <= 64
+            if kind == "microvm":  # the guest's cgroup for commands counted the refusals
+                events = sb.files.read("/sys/fs/cgroup/shoal-commands/pids.events").decode()
+                assert int(events.split()[1]) > 0, events
         assert neighbour.exec("echo ok", timeout=60).stdout == "ok\n"
         start = time.monotonic()
         outcome = sb.kill_processes()

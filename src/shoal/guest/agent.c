@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/falloc.h>
 #include <linux/random.h>
 #include <linux/capability.h>
 #include <setjmp.h>
@@ -36,6 +37,7 @@
 #include <sys/syscall.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <sys/un.h>
@@ -56,6 +58,17 @@
 #define EXIT_LINGER_NS 2000000000LL /* after the exit frame: wait this long at most for the node to close */
 #define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
+/* VMs only (the guest kernel is ours to configure): every command runs in this cgroup, whose pids.max the
+ * node sets after each restore ('I'); the agent, its handlers, keepers and reserve stay in the parent, so
+ * a fork bomb at the limit never keeps them from forking the kill. */
+#define CGROUP_ROOT "/sys/fs/cgroup"
+#define COMMANDS_CGROUP CGROUP_ROOT "/shoal-commands"
+/* VMs with a disk cap: space the sandbox may not write is held by this preallocated file on the root file
+ * system (unwritten extents: it costs the host's qcow2 nothing). Found through a bind mount of / alone, so in
+ * a microvm it lies under the agent's tmpfs on /.shoal, out of every command's sight. */
+#define DISK_HOLD_DIR "/.shoal/disk-cap"
+#define DISK_HOLD_FILE ".shoal/disk-cap-hold"
+
 #define EXEC_STDIN_PIPE 1u
 #define EXEC_MERGE_STDERR 2u
 #define WRITE_MKDIRS 1u
@@ -70,6 +83,7 @@ static pid_t cmd_pid = 0;       /* exec: the command (also its pgid/sid) */
 static int cmd_reaped = 0;      /* exec: cmd_pid has been waited for */
 static int cmd_status = 0;      /* exec: its wait status */
 static int sigchld_pipe[2] = {-1, -1};
+static int commands_cgroup = -1; /* VMs: the guest cgroup every command enters (O_PATH dir), -1 elsewhere */
 
 static unsigned char obuf[PIPE_CHUNK + 1024]; /* buffered outgoing frames */
 static size_t olen = 0;
@@ -859,6 +873,12 @@ static void exec_child(const char *cwd, uint32_t uid, uint32_t gid, int in_rd, i
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
+    if (commands_cgroup >= 0) { /* VMs: under the sandbox's pids limit (the agent stays outside it) */
+        int procs = openat(commands_cgroup, "cgroup.procs", O_WRONLY | O_CLOEXEC);
+        if (procs < 0 || write(procs, "0", 1) != 1)
+            child_fail("entering the commands' cgroup", COMMANDS_CGROUP, errno);
+        close(procs);
+    }
     if (chdir(cwd) < 0)
         child_fail("chdir", cwd, errno);
     if (uid != (uint32_t)getuid() || gid != (uint32_t)getgid() || uid != (uint32_t)geteuid() ||
@@ -1968,17 +1988,119 @@ static void do_remove(const unsigned char *pl, uint32_t plen) {
     send_ok(NULL, 0);
 }
 
-/* 'I' (VMs, after a restore or fork): str hostname, str machine_id, u64 realtime_ns, seed bytes.
- * Gives the copy its own identity: hostname, /etc/machine-id, entropy pool, wall clock. */
+/* Main, VMs: mount cgroup2 if the guest has not (a microvm's init does not), enable pids for the root's
+ * children and make the commands' cgroup (no limit until the node sends one). Without it, commands run
+ * unbounded and 'I' with a pids limit fails, naming why. */
+static void setup_commands_cgroup(void) {
+    struct stat st;
+    if (stat(CGROUP_ROOT "/cgroup.controllers", &st) < 0) {
+        mkdir(CGROUP_ROOT, 0755);
+        if (mount("cgroup2", CGROUP_ROOT, "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0) {
+            fprintf(stderr, "shoal-agent: mount cgroup2: %s (no pids limit for commands)\n", strerror(errno));
+            return;
+        }
+    }
+    int fd = open(CGROUP_ROOT "/cgroup.subtree_control", O_WRONLY | O_CLOEXEC);
+    if (fd < 0 || write(fd, "+pids", 5) != 5)
+        fprintf(stderr, "shoal-agent: enabling the pids controller: %s\n", strerror(errno));
+    if (fd >= 0)
+        close(fd);
+    if (mkdir(COMMANDS_CGROUP, 0755) < 0 && errno != EEXIST) {
+        fprintf(stderr, "shoal-agent: mkdir %s: %s\n", COMMANDS_CGROUP, strerror(errno));
+        return;
+    }
+    commands_cgroup = open(COMMANDS_CGROUP, O_PATH | O_DIRECTORY | O_CLOEXEC);
+}
+
+/* The commands' pids.max: `limit` processes, 0 for none. */
+static int set_pids_limit(uint32_t limit) {
+    if (commands_cgroup < 0) {
+        send_err(ENOTSUP, "the guest has no cgroup for commands (cgroup2 with pids is needed for a pids limit)");
+        return -1;
+    }
+    char text[16];
+    int len = limit ? snprintf(text, sizeof(text), "%u", limit) : snprintf(text, sizeof(text), "max");
+    int fd = openat(commands_cgroup, "pids.max", O_WRONLY | O_CLOEXEC);
+    if (fd < 0 || write(fd, text, (size_t)len) != len) {
+        send_err(errno, "setting the guest's pids limit to %s: %s", text, strerror(errno));
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    close(fd);
+    return 0;
+}
+
+/* Leave `cap_mb` MiB free on the root file system for the sandbox to write (0: no cap, give the space back):
+ * a preallocated hold takes the rest, and the root is remounted with `discard` so what the sandbox deletes
+ * is given back to the host too (QEMU's drive has discard=unmap), keeping the host's qcow2 near the cap. */
+static int set_disk_cap(uint32_t cap_mb) {
+/* Without a cap, removing an earlier hold (a snapshot of a capped sandbox) is best effort: no error frame. */
+#define CAP_FAIL(...)                                                                                          \
+    do {                                                                                                       \
+        if (cap_mb)                                                                                            \
+            send_err(errno, __VA_ARGS__);                                                                      \
+        goto out;                                                                                              \
+    } while (0)
+    int rc = cap_mb ? -1 : 0, fd = -1, dir = -1, bound = 0;
+    mkdir(DISK_HOLD_DIR, 0700);
+    if (mount("/", DISK_HOLD_DIR, NULL, MS_BIND, NULL) < 0)
+        CAP_FAIL("disk cap: bind-mounting / at %s: %s", DISK_HOLD_DIR, strerror(errno));
+    bound = 1;
+    dir = open(DISK_HOLD_DIR, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0)
+        CAP_FAIL("disk cap: open %s: %s", DISK_HOLD_DIR, strerror(errno));
+    if (!cap_mb) {
+        unlinkat(dir, DISK_HOLD_FILE, 0);
+        goto out;
+    }
+    mkdirat(dir, ".shoal", 0755);
+    fd = openat(dir, DISK_HOLD_FILE, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0);
+    if (fd < 0 || ftruncate(fd, 0) < 0 || fsync(fd) < 0) /* fsync: an earlier hold's blocks are free again */
+        CAP_FAIL("disk cap: %s: %s", DISK_HOLD_FILE, strerror(errno));
+    struct statvfs vfs;
+    if (fstatvfs(fd, &vfs) < 0)
+        CAP_FAIL("disk cap: statvfs /: %s", strerror(errno));
+    /* f_bavail: what is left past ext4's own reserve (and root's, none on shoal's disks: mkfs -m 0) */
+    uint64_t free_bytes = (uint64_t)vfs.f_bavail * vfs.f_frsize, cap = (uint64_t)cap_mb << 20;
+    if (free_bytes > cap && fallocate(fd, 0, 0, (off_t)(free_bytes - cap)) < 0)
+        CAP_FAIL("disk cap: reserving %llu MiB: %s", (unsigned long long)((free_bytes - cap) >> 20), strerror(errno));
+    if (fsync(fd) < 0)
+        CAP_FAIL("disk cap: fsync: %s", strerror(errno));
+    unsigned long keep = vfs.f_flag & (ST_RDONLY | ST_NOSUID | ST_NODEV | ST_NOEXEC | ST_SYNCHRONOUS | ST_NOATIME |
+                                       ST_NODIRATIME | ST_RELATIME);
+    if (mount(NULL, "/", NULL, MS_REMOUNT | keep, "discard") < 0)
+        CAP_FAIL("disk cap: remounting / with discard: %s", strerror(errno));
+    rc = 0;
+out:
+    if (fd >= 0)
+        close(fd);
+    if (dir >= 0)
+        close(dir);
+    if (bound)
+        umount2(DISK_HOLD_DIR, MNT_DETACH);
+    rmdir(DISK_HOLD_DIR);
+    return rc;
+#undef CAP_FAIL
+}
+
+/* 'I' (VMs, after a boot, restore or fork): str hostname, str machine_id, u64 realtime_ns, u32 pids (0: no
+ * limit), u32 disk_mb (0: no cap), seed bytes. Gives the copy its own identity (hostname, /etc/machine-id,
+ * entropy pool, wall clock) and the sandbox's limits, which the template it was restored from cannot know. */
 static void do_identity(const unsigned char *pl, uint32_t plen) {
     struct cur c = {pl, plen, 0};
     const char *host = get_str(&c);
     const char *mid = get_str(&c);
     uint64_t now = get_u64(&c);
+    uint32_t pids = get_u32(&c), disk_mb = get_u32(&c);
     if (c.bad) {
         send_err(EINVAL, "malformed identity request");
         return;
     }
+    if ((pids || commands_cgroup >= 0) && set_pids_limit(pids) < 0)
+        return;
+    if (set_disk_cap(disk_mb) < 0)
+        return;
     if (*host && sethostname(host, strlen(host)) < 0) {
         send_err(errno, "sethostname: %s", strerror(errno));
         return;
@@ -2786,6 +2908,7 @@ int main(int argc, char **argv) {
     ensure_reserve();
     if (serial) {
         loopback_up();
+        setup_commands_cgroup();
         serial_mux(serial);
     }
 

@@ -561,9 +561,14 @@ class AgentClient:
         finally:
             await conn.close()
 
-    async def identity(self, hostname: str, machine_id: str, seed: bytes, realtime_ns: int) -> None:
-        """Give a restored VM its own identity: hostname, machine id, entropy (≤512 bytes), wall clock."""
-        payload = hostname.encode() + b"\0" + machine_id.encode() + b"\0" + struct.pack(">Q", realtime_ns) + seed
+    async def identity(
+        self, hostname: str, machine_id: str, seed: bytes, realtime_ns: int, pids: int = 0, disk_mb: int = 0
+    ) -> None:
+        """Give a booted or restored VM its own identity (hostname, machine id, entropy ≤512 bytes, wall clock)
+        and its sandbox's limits, which the template it was restored from cannot know: `pids` bounds the
+        guest cgroup every command runs in, `disk_mb` what the sandbox may write (0: no limit, no cap)."""
+        payload = hostname.encode() + b"\0" + machine_id.encode() + b"\0"
+        payload += struct.pack(">QII", realtime_ns, pids, disk_mb) + seed
         await self._simple(b"I", payload)
 
     async def hello(self) -> tuple[int, str]:

@@ -169,6 +169,7 @@ def refuse_agent_fields(spec: Any, image_name: str) -> None:
             ("env", spec.env), ("files", spec.files), ("user", spec.user),
             ("workdir", spec.workdir not in (None, "", "/") and spec.workdir),
             ("network", spec.network not in (None, "none", [], {}) and spec.network),
+            ("disk_mb", spec.disk_mb),
         )
         if value
     ]  # fmt: skip

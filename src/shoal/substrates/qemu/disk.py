@@ -16,6 +16,9 @@ from shoal.errors import ImageError
 from shoal.images import Image
 
 MIN_DISK_MB = 2048
+# No blocks reserved for root (-m 0): a VM's disk_mb is the free space the agent leaves on this file system
+# (agent.c set_disk_cap), and it should mean the same for root and other users. Part of the disk's name.
+MKFS_FORMAT = "ext4 -m 0"
 
 
 def file_part(name: str) -> str:
@@ -31,6 +34,7 @@ def base_disk(image: Image, cache: Path, extra: dict[str, str] | None = None) ->
     """
     # Content-addressed layers are keyed by id (their mount paths differ per node), others by path.
     digest = hashlib.sha256("\0".join(image.layer_ids or tuple(str(p) for p in image.layers)).encode())
+    digest.update(MKFS_FORMAT.encode())
     for guest_path, host_path in sorted((extra or {}).items()):
         digest.update(guest_path.encode() + hashlib.sha256(Path(host_path).read_bytes()).digest())
     target = cache / "disks" / f"{file_part(image.name)}-{digest.hexdigest()[:16]}.raw"
@@ -69,7 +73,7 @@ def base_disk(image: Image, cache: Path, extra: dict[str, str] | None = None) ->
                 size_mb = max(MIN_DISK_MB, used_mb * 2 + 512)
                 raw = Path(tmp, "disk.raw")
                 proc = subprocess.run(
-                    ["mkfs.ext4", "-q", "-F", "-L", "shoal", "-E", "root_owner=0:0", "-d", str(source_dir),
+                    ["mkfs.ext4", "-q", "-F", "-m", "0", "-L", "shoal", "-E", "root_owner=0:0", "-d", str(source_dir),
                      str(raw), f"{size_mb}M"],
                     capture_output=True, text=True,
                 )  # fmt: skip

@@ -34,7 +34,7 @@ from typing import Any
 
 from shoal import resources, settings
 from shoal.errors import ImageError, InvalidRequestError, NotFoundError, SandboxLostError
-from shoal.guest import AgentClient
+from shoal.guest import AgentClient, AgentError
 from shoal.images import Image
 from shoal.protocol import SandboxSpec
 from shoal.substrates.base import Capabilities, Instance, Substrate
@@ -70,9 +70,9 @@ class Running:
 class QemuSubstrate(Substrate):
     """Shared machinery; subclasses choose the machine type, kernel command line and base disk."""
 
-    # No disk cap (disk_mb) yet. Re-adoption: QEMU runs in its own session and outlives the node; the next
-    # node reconnects to its QMP and agent chardev sockets (readopt).
-    capabilities = Capabilities(pause=True, memory_snapshots=True, readopt=True, guest_nic=True)
+    # disk_mb: free space left on the guest's root (the agent's hold, _fresh_identity). Re-adoption: QEMU runs
+    # in its own session and outlives the node; the next node reconnects to its QMP and agent chardev sockets.
+    capabilities = Capabilities(pause=True, memory_snapshots=True, readopt=True, guest_nic=True, disk_cap=True)
     machine_type = "q35"
     boot_mode = "microvm"
     default_screens: dict[str, tuple[int, int]] = {}  # image name -> the screen it gets when create names none
@@ -205,6 +205,9 @@ class QemuSubstrate(Substrate):
                 disk = await self.base_disk(image)
                 await asyncio.to_thread(overlay, directory / "disk.qcow2", disk)
                 await self._boot(directory, config, bridge)
+            if not self._running[sandbox_id].machine.config.agentless:  # no agent to give it one, nor limits
+                await self._fresh_identity(instance, spec)
+            if snapshot is None and not self.use_templates:
                 if config.screen:
                     await _start_console(AgentClient(str(instance.agent_socket)))
             instance.pid = self._running[sandbox_id].machine.pid
@@ -278,19 +281,22 @@ class QemuSubstrate(Substrate):
         await machine.start(incoming=source / "memory")
         await machine.wait_incoming()
         await running.bridge.attach(machine.serial_path)
-        if not config.agentless:  # an agentless guest keeps its identity (no agent to give it a new one)
-            await self._fresh_identity(instance)
 
-    async def _fresh_identity(self, instance: Instance) -> None:
+    async def _fresh_identity(self, instance: Instance, spec: SandboxSpec) -> None:
+        """Every create ends here (boot, template or snapshot): the guest gets its own identity and this
+        sandbox's limits (pids on the guest's commands cgroup, disk_mb as free space on its root)."""
         agent = AgentClient(str(instance.agent_socket))
         hostname = "sb-" + instance.id.rsplit("-", 1)[-1]
+        identity = agent.identity(
+            hostname, uuid.uuid4().hex, secrets.token_bytes(64), time.time_ns(), spec.pids or 0, spec.disk_mb or 0
+        )
         try:
-            await asyncio.wait_for(
-                agent.identity(hostname, uuid.uuid4().hex, secrets.token_bytes(64), time.time_ns()), 30
-            )
+            await asyncio.wait_for(identity, 60)
+        except AgentError as exc:  # it answered, but could not apply them: a limit that does not hold is refused
+            raise SandboxLostError(f"the {self.kind} guest could not take its limits: {exc}") from exc
         except (TimeoutError, ConnectionError, OSError) as exc:
             machine = self._running[instance.id].machine
-            raise SandboxLostError(f"restored {self.kind} did not answer: {exc}; {machine.log_tail()}") from exc
+            raise SandboxLostError(f"the new {self.kind} did not answer: {exc}; {machine.log_tail()}") from exc
 
     async def _template(self, spec: SandboxSpec, image: Image) -> Path:
         """The snapshot every create of this (kind, image, cpus, memory) restores; booted once."""
