@@ -128,13 +128,26 @@ def test_pause_frees_the_vm_and_any_request_resumes(client: shoal.Client, node: 
         assert sb.exec("echo alive").stdout == "alive\n"
 
 
+def _limits(sb: shoal.Sandbox) -> tuple[str, str, int]:
+    """(the cgroup a command runs in, that cgroup's pids.max, MiB free on /) inside a VM guest."""
+    cgroup = sb.exec("cat /proc/self/cgroup").stdout.strip()
+    pids_max = sb.files.read("/sys/fs/cgroup/shoal-commands/pids.max").decode().strip()
+    return cgroup, pids_max, int(sb.exec(["df", "-m", "/"]).stdout.split("\n")[1].split()[3])
+
+
 def test_vm_kind_runs_systemd(client: shoal.Client) -> None:
-    with client.create("vm", image="debian", pool=False) as vm:
+    with client.create("vm", image="debian", pool=False, pids=64, disk_mb=48) as vm:
         assert vm.exec("cat /proc/1/comm").stdout == "systemd\n"
         assert vm.exec("systemctl is-active shoal-agent").stdout == "active\n"
+        # Its limits hold under systemd too: commands in the agent's cgroup, 48 MiB to write, no more.
+        assert _limits(vm)[:2] == ("0::/shoal-commands", "64") and 40 < _limits(vm)[2] <= 48
+        full = vm.exec("dd if=/dev/zero of=/root/fill bs=1M count=100", timeout=300)
+        assert "No space left on device" in full.stderr, full.stderr
+        assert vm.exec("rm /root/fill && echo answers").stdout == "answers\n"
         kids = vm.fork(count=2)
         try:
             assert [k.exec("cat /proc/1/comm").stdout for k in kids] == ["systemd\n", "systemd\n"]  # type: ignore
+            assert [_limits(k)[1] for k in kids] == ["64", "64"]  # type: ignore[union-attr]
         finally:
             for k in kids:
                 if isinstance(k, shoal.Sandbox):
