@@ -189,6 +189,7 @@ class QemuSubstrate(Substrate):
             bridge = AgentBridge(instance.agent_socket)
             await bridge.start()
             self._running[sandbox_id] = Running(machine=None, bridge=bridge)  # type: ignore[arg-type]
+            console = False  # a cold boot starts the screen's console after the identity (templates have it)
             if snapshot is not None:
                 source = self.snapshot_dir(snapshot)
                 if not (source / "meta.json").exists():
@@ -208,11 +209,11 @@ class QemuSubstrate(Substrate):
                 disk = await self.base_disk(image)
                 await asyncio.to_thread(overlay, directory / "disk.qcow2", disk)
                 await self._boot(directory, config, bridge)
+                console = bool(config.screen)
             if not self._running[sandbox_id].machine.config.agentless:  # no agent to give it one, nor limits
                 await self._fresh_identity(instance, spec)
-            if snapshot is None and not self.use_templates:
-                if config.screen:
-                    await _start_console(AgentClient(str(instance.agent_socket)))
+            if console:
+                await _start_console(AgentClient(str(instance.agent_socket)))
             instance.pid = self._running[sandbox_id].machine.pid
         except BaseException:
             await asyncio.shield(self.destroy(instance))
