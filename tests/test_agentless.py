@@ -202,7 +202,8 @@ def test_a_killed_node_readopts_an_agentless_vm(guest_image: str) -> None:
 
 
 def test_agent_only_create_arguments_are_refused(client: shoal.Client, guest_image: str) -> None:
-    for extra in ({"files": {"/a": b"x"}}, {"env": {"A": "1"}}, {"network": "pypi"}, {"user": "nobody"}):
+    refused = ({"files": {"/a": b"x"}}, {"env": {"A": "1"}}, {"network": "pypi"}, {"user": "nobody"}, {"disk_mb": 64})
+    for extra in refused:
         with pytest.raises(shoal.NoAgentError, match="What works"):
             client.create("vm", image=guest_image, pool=False, ttl_s=60, **extra)
     with pytest.raises(shoal.InvalidRequestError, match="kind='vm'"):
