@@ -290,3 +290,31 @@ def test_oom_kill_count_reads_the_oom_kill_line_of_either_cgroup_version() -> No
     assert oom_kill_count(b"oom_kill 11") == 11
     assert oom_kill_count(b"oom_kill_disable 0\nunder_oom 0\n") == 0
     assert oom_kill_count(b"") == 0
+
+
+async def test_a_pool_member_made_across_a_resize_to_zero_and_back_is_kept_not_orphaned() -> None:
+    """A refill in flight while the pool is set to 0 and then to N again: its sandbox joins the new pool
+    (it was appended to the dropped deque, where no claim or drain ever found it: a leaked sandbox)."""
+    import asyncio
+
+    from shoal.node.pools import WarmPools
+
+    release, made, destroyed = asyncio.Event(), [], []
+
+    async def make(spec: SandboxSpec) -> object:
+        await release.wait()
+        made.append(object())
+        return made[-1]
+
+    async def destroy(sandbox: object) -> None:
+        destroyed.append(sandbox)
+
+    pools, spec = WarmPools(make, destroy, refill_concurrency=1), SandboxSpec(image="busybox")
+    await pools.configure(spec, 1)
+    await asyncio.sleep(0.01)  # the refill waits in make()
+    await pools.configure(spec, 0)
+    await pools.configure(spec, 1)
+    release.set()
+    await pools.wait_full(spec, timeout=10)
+    assert pools.take(spec) is made[0] and destroyed == []
+    await pools.drain()

@@ -124,8 +124,8 @@ class WarmPools:
                 continue
             finally:
                 self._inflight[key] -= 1
-            if key in self._targets:
-                ready.append(sandbox)
+            if key in self._targets:  # the deque of now: a resize to 0 and back meanwhile replaced `ready`
+                self._ready.setdefault(key, deque()).append(sandbox)
             else:
                 await self._destroy(sandbox)
 
