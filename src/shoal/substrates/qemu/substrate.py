@@ -76,6 +76,7 @@ class QemuSubstrate(Substrate):
     machine_type = "q35"
     boot_mode = "microvm"
     default_screens: dict[str, tuple[int, int]] = {}  # image name -> the screen it gets when create names none
+    slow_boots: dict[str, float] = {}  # image name -> seconds its cold boot may take at least (SHOAL_VM_BOOT_TIMEOUT)
 
     def __init__(self, home: Path, sandboxes_dir: Path, cache: Path | None = None) -> None:
         self.home = home
@@ -208,7 +209,7 @@ class QemuSubstrate(Substrate):
                 config = await self._config(spec)
                 disk = await self.base_disk(image)
                 await asyncio.to_thread(overlay, directory / "disk.qcow2", disk)
-                await self._boot(directory, config, bridge)
+                await self._boot(directory, config, bridge, image.name)
                 console = bool(config.screen)
             if not self._running[sandbox_id].machine.config.agentless:  # no agent to give it one, nor limits
                 await self._fresh_identity(instance, spec)
@@ -220,9 +221,10 @@ class QemuSubstrate(Substrate):
             raise
         return instance
 
-    async def _boot(self, directory: Path, config: MachineConfig, bridge: AgentBridge) -> Machine:
+    async def _boot(self, directory: Path, config: MachineConfig, bridge: AgentBridge, image: str = "") -> Machine:
         """Cold boot on `directory/disk.qcow2` until the agent answers (an agentless VM: until `_guest_ready`);
         the console tail if it never does."""
+        timeout = max(self.boot_timeout_s, self.slow_boots.get(image, 0.0))
         machine = Machine(directory, config, directory / "disk.qcow2")
         running = self._running.get(directory.name)
         if running is not None:
@@ -232,7 +234,7 @@ class QemuSubstrate(Substrate):
             await bridge.attach(machine.serial_path)
             agent = AgentClient(str(bridge.listen_path))
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.boot_timeout_s
+            deadline = loop.time() + timeout
             while True:
                 assert machine.exited is not None
                 if machine.exited.done():
@@ -250,7 +252,7 @@ class QemuSubstrate(Substrate):
                     waited = config.agentless and config.ready_port
                     port = f", port {config.ready_port} did not answer" if waited else ""
                     raise SandboxLostError(
-                        f"the {self.kind} guest did not become ready in {self.boot_timeout_s:g} s{port} "
+                        f"the {self.kind} guest did not become ready in {timeout:g} s{port} "
                         f"(SHOAL_VM_BOOT_TIMEOUT); console tail: {machine.log_tail()}"
                     )
                 await asyncio.sleep(0.05)
@@ -329,7 +331,7 @@ class QemuSubstrate(Substrate):
                                                    "memory_shared": True})  # fmt: skip
                     config = MachineConfig(**{**config.to_json(), "memory_file": str(target / "ram")})
                 started = time.monotonic()
-                machine = await self._boot(build, boot_config, bridge)
+                machine = await self._boot(build, boot_config, bridge, image.name)
                 booted = time.monotonic() - started
                 if config.screen:
                     await _start_console(AgentClient(str(bridge.listen_path)))

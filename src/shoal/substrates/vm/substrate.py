@@ -33,6 +33,9 @@ class VmSubstrate(QemuSubstrate):
     machine_type = "q35"
     boot_mode = "vm"
     default_screens = {DESKTOP_IMAGE: DEFAULT_VM_SCREEN}  # a desktop without a screen would be no use
+    # A desktop's agent answers later than the plain vm's (udev's coldplug of USB and input devices comes first):
+    # minutes under TCG on a loaded host. Its template boots once per node; creates restore it.
+    slow_boots = {DESKTOP_IMAGE: 600.0}
 
     def own_image(self, name: str) -> Image | None:
         """Image "vm-desktop" is built by shoal into the VM cache (vm/rootfs.py), not kept in the image store."""
