@@ -234,7 +234,7 @@ def test_every_kind_declares_capabilities_and_one_create() -> None:
         assert cls.capabilities.pause, cls
     assert ContainerSubstrate.capabilities.names() == ["pause", "image_commit", "disk_cap", "readopt"]
     for vm in (MicrovmSubstrate, VmSubstrate):
-        assert vm.capabilities.names() == ["pause", "memory_snapshots", "readopt", "guest_nic"]
+        assert vm.capabilities.names() == ["pause", "memory_snapshots", "disk_cap", "readopt", "guest_nic"]
 
 
 async def test_a_container_refuses_a_memory_snapshot_before_touching_anything(tmp_path: Path) -> None:
