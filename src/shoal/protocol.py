@@ -362,8 +362,7 @@ async def dispatch_requests(
             else:
                 body = await _read_guarded(reader, guard, lambda: bool(tasks))
                 if body is not None:  # its bytes count against the peer's budget until its request ends
-                    held = len(body)
-                    release = functools.partial(guard.unreserve, held)
+                    release = functools.partial(guard.unreserve, len(body))
             if body is None:
                 break
             try:
