@@ -111,6 +111,15 @@ async def vm_rows(client: shoal.AsyncClient, pid: int, n: int, image: str = "deb
         shots, cpu = await timed(n, pid, vm.gui.screenshot)
         size = len((await vm.gui.screenshot()).png)
         print(row(f"shoal vm.gui.screenshot() (QMP screendump, PNG {size >> 10} KiB)", shots, cpu))
+        if image == "vm-desktop":  # the same with the xterm full of text: a bigger PNG for QEMU to compress
+            await vm.gui.click(200, 100)
+            await vm.gui.screenshot()
+            await vm.gui.type("ls -l /usr/bin /usr/lib\n")
+            while await vm.gui.wait_for_change(timeout=3):  # until the listing has stopped scrolling
+                await vm.gui.screenshot()
+            shots, cpu = await timed(n, pid, vm.gui.screenshot)
+            size = len((await vm.gui.screenshot()).png)
+            print(row(f"  same, xterm full of text (PNG {size >> 10} KiB)", shots, cpu))
         moves, cpu = await timed(n, pid, lambda: vm.gui.move(300, 300))
         print(row("shoal vm.gui.move() (QMP input-send-event)", moves, cpu))
         keys, cpu = await timed(n, pid, lambda: vm.gui.key("a"))

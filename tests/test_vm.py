@@ -139,6 +139,8 @@ def test_vm_kind_runs_systemd(client: shoal.Client) -> None:
     with client.create("vm", image="debian", pool=False, pids=64, disk_mb=48) as vm:
         assert vm.exec("cat /proc/1/comm").stdout == "systemd\n"
         assert vm.exec("systemctl is-active shoal-agent").stdout == "active\n"
+        # No start limit: the agent unit retries until udev names its port, however slow coldplug is.
+        assert vm.exec("systemctl show -p StartLimitIntervalUSec --value shoal-agent").stdout == "0\n"
         # Its limits hold under systemd too: commands in the agent's cgroup, 48 MiB to write, no more.
         assert _limits(vm)[:2] == ("0::/shoal-commands", "64") and 40 < _limits(vm)[2] <= 48
         full = vm.exec("dd if=/dev/zero of=/root/fill bs=1M count=100", timeout=300)

@@ -21,9 +21,13 @@ from shoal.substrates.qemu.kernel import SCREEN_MODULES, ensure_modules
 
 VM_PACKAGES = [*DEBIAN_PACKAGES, "systemd-sysv", "udev", "iproute2"]
 AGENT_PATH = "/usr/local/sbin/shoal-agent"
+# The agent restarts every 0.2 s until udev has named its virtio port; systemd's default start limit (5 starts
+# in 10 s) would give up for good while coldplug is slow (TCG on a loaded host, a desktop's USB and input), so
+# the unit has none.
 AGENT_UNIT = f"""[Unit]
 Description=shoal guest agent
 DefaultDependencies=no
+StartLimitIntervalSec=0
 After=systemd-udevd.service
 Wants=systemd-udevd.service
 
@@ -67,11 +71,6 @@ until udevadm settle --timeout=600 && has "AT Translated" && has Tablet; do slee
 touch /run/shoal-desktop-ready
 wait
 """
-# The agent unit restarts every 0.2 s until udev has named its virtio port; systemd's default start limit (5
-# starts in 10 s) would give up for good while a desktop's slower coldplug (USB, input) runs under TCG.
-AGENT_RETRY = """[Unit]
-StartLimitIntervalSec=0
-"""
 # Autologin without a display manager: root's X session starts on tty1 at boot (getty@tty1 is masked).
 DESKTOP_UNIT = """[Unit]
 Description=shoal desktop: Xorg on tty1 with an xterm, logged in as root
@@ -107,7 +106,7 @@ def ensure_desktop_rootfs(cache: Path) -> Path:
     the same light desktop as the `desktop` container image (an xterm at the top left, no window manager, so
     focus follows the pointer), and the kernel modules of the USB tablet (≈3-5 min on first use, then cached)."""
     version, modules = ensure_modules(SCREEN_MODULES, cache)
-    parts = [DEBIAN_SUITE, *DESKTOP_PACKAGES, AGENT_UNIT, AGENT_RETRY, *MASKED, DESKTOP_UNIT, XSESSION, XORG_CONF]
+    parts = [DEBIAN_SUITE, *DESKTOP_PACKAGES, AGENT_UNIT, *MASKED, DESKTOP_UNIT, XSESSION, XORG_CONF]
     parts.append(version)
     key = hashlib.sha256(" ".join([*parts, *SCREEN_MODULES]).encode()).hexdigest()[:12]
 
@@ -126,8 +125,6 @@ def ensure_desktop_rootfs(cache: Path) -> Path:
         session = root / "etc/shoal/xsession"
         session.write_text(XSESSION)
         session.chmod(0o755)
-        (root / "etc/systemd/system/shoal-agent.service.d").mkdir(parents=True, exist_ok=True)
-        (root / "etc/systemd/system/shoal-agent.service.d/retry.conf").write_text(AGENT_RETRY)
         (root / "etc/systemd/system/shoal-desktop.service").write_text(DESKTOP_UNIT)
         wants = root / "etc/systemd/system/multi-user.target.wants"
         wants.mkdir(parents=True, exist_ok=True)
