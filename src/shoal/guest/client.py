@@ -182,6 +182,75 @@ class _Conn:
             await self.writer.wait_closed()
 
 
+class _SockConn:
+    """One short request-and-answer connection to the agent (background start, attach, the one-answer
+    requests) on a plain non-blocking socket read with the loop's sock_recv: what _Conn does without a
+    transport, a StreamReader and a StreamWriter made and torn down per request, which cost the node more
+    CPU than those requests' own work (py-spy under bench/bench_e2b.py: two per E2B `commands.run`)."""
+
+    __slots__ = ("path", "sock", "buf", "loop")
+
+    _RECV = 1 << 16
+
+    def __init__(self, path: str, sock: socket.socket) -> None:
+        self.path, self.sock = path, sock
+        self.buf = bytearray()
+        self.loop = asyncio.get_running_loop()
+
+    @classmethod
+    async def open(cls, path: str) -> _SockConn:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        conn = cls(path, sock)
+        try:
+            try:
+                sock.connect(path)  # a Unix socket connects at once unless the agent's backlog is full
+            except BlockingIOError:
+                await conn.loop.sock_connect(sock, path)
+        except (FileNotFoundError, ConnectionError) as exc:
+            sock.close()
+            raise ConnectionError(f"cannot connect to shoal agent at {path}: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return conn
+
+    async def send(self, data: bytes | memoryview) -> None:
+        try:
+            try:
+                sent = self.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(data):
+                await self.loop.sock_sendall(self.sock, memoryview(data)[sent:])
+        except OSError as exc:
+            raise ConnectionError(f"shoal agent at {self.path} dropped the connection") from exc
+
+    async def _fill(self, size: int) -> None:
+        while len(self.buf) < size:
+            try:
+                data = await self.loop.sock_recv(self.sock, self._RECV)
+            except OSError as exc:
+                raise ConnectionError(f"shoal agent at {self.path} dropped the connection: {exc}") from exc
+            if not data:
+                raise ConnectionError(f"shoal agent at {self.path} closed the connection unexpectedly")
+            self.buf += data
+
+    async def recv(self) -> tuple[int, bytes]:
+        await self._fill(5)
+        length, kind = _HDR.unpack_from(self.buf)
+        if length == 0 or length > MAX_FRAME:
+            raise AgentError(_errno.EPROTO, f"bad frame length {length} from agent")
+        await self._fill(4 + length)
+        payload = bytes(self.buf[5 : 4 + length])
+        del self.buf[: 4 + length]
+        return kind, payload
+
+    expect = _Conn.expect
+
+    async def close(self) -> None:
+        self.sock.close()  # idempotent; no reader is left registered (sock_recv removes its own)
+
+
 async def _send_payload(conn: _Conn, data: bytes | bytearray | memoryview) -> int:
     """Stream `data` as D frames and a closing C on a W (write) or T (untar) request, take the agent's A answer
     (a u64 count) and close the connection; the one body of both requests."""
@@ -535,8 +604,8 @@ class AgentClient:
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
 
-    async def _request(self, kind: bytes, payload: bytes) -> _Conn:
-        conn = await _Conn.open(self.socket_path)
+    async def _request(self, kind: bytes, payload: bytes, conn_type: type = _Conn) -> _Conn:
+        conn = await conn_type.open(self.socket_path)
         try:
             await conn.send(_frame(kind, payload))
         except BaseException:
@@ -544,10 +613,12 @@ class AgentClient:
             raise
         return conn
 
-    async def _opened(self, kind: bytes, payload: bytes, reply: bytes) -> tuple[_Conn, bytes]:
+    async def _opened(
+        self, kind: bytes, payload: bytes, reply: bytes, conn_type: type = _Conn
+    ) -> tuple[_Conn, bytes]:
         """Send a request whose connection stays open past its first reply (`reply`): the connection and that
         reply's payload; the connection is closed if the reply does not come."""
-        conn = await self._request(kind, payload)
+        conn = await self._request(kind, payload, conn_type)
         try:
             return conn, (await conn.expect(reply))[1]
         except BaseException:
@@ -555,7 +626,7 @@ class AgentClient:
             raise
 
     async def _simple(self, kind: bytes, payload: bytes) -> bytes:
-        conn = await self._request(kind, payload)
+        conn = await self._request(kind, payload, _SockConn)
         try:
             return (await conn.expect(b"A"))[1]
         finally:
@@ -660,7 +731,7 @@ class AgentClient:
             raise ValueError(f"terminal size must be 1..65535 rows and columns, not {size}")
         payload = _exec_payload(argv, env, cwd, uid, gid, ring_bytes, stdin_pipe, merge_stderr)
         payload += _U32.pack(rows << 16 | cols)
-        conn = await self._request(b"B", payload)
+        conn = await self._request(b"B", payload, _SockConn)
         try:
             _, reply = await conn.expect(b"P")
         finally:
@@ -670,7 +741,7 @@ class AgentClient:
 
     async def attach(self, id: int, mode: int, offsets: tuple[int, int] = (0, 0), frames: bytes = b"") -> Attached:
         """Connect to background process `id` (Attached.READ, FOLLOW or CONTROL), sending `frames` first."""
-        conn, payload = await self._opened(b"A", _ATTACH.pack(id, mode, *offsets) + frames, b"P")
+        conn, payload = await self._opened(b"A", _ATTACH.pack(id, mode, *offsets) + frames, b"P", _SockConn)
         pid, keeper, pty = struct.unpack_from(">II?", payload)
         return Attached(conn, pid, keeper, pty, offsets)
 
