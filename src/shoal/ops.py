@@ -204,11 +204,14 @@ _op("proc_start", SANDBOX, {"sandbox_id": str, "cmd": str | list[str], "env": (d
                             "cwd": OPT_STR, "user": OPT_STR, "stdin": (bytes | None, None),
                             "merge_stderr": (bool, False), "pty": (dict[str, int] | None, None),
                             "output_cap_bytes": (int | None, None), "open_stdin": (bool, True),
-                            "seq": (SEQ, None), "operator": (bool, False)}, JSON,
+                            "seq": (SEQ, None), "operator": (bool, False), "stream": (bool, False),
+                            "timeout": (float | None, None)}, JSON,
     "Start a command in the background (on a terminal of pty {cols, rows}; stdin a pipe unless open_stdin is "
     "false); it outlives this call and the client, dies with the sandbox, keeps the last output_cap_bytes of "
-    "each stream; its {id, pid, pty}. operator: an operator's act (the console's terminal), not logged.",
-    step=True)
+    "each stream; its {id, pid, pty}. operator: an operator's act (the console's terminal), not logged. "
+    "stream: its {id, pid, pty} as the first event, then it is followed as proc_read follow+stream does (its "
+    "output as events until it ends or the timeout passes) and the answer is proc_read's.",
+    step=True, streams=True)
 _op("proc_read", SANDBOX, {"sandbox_id": str, "id": int, "stdout_offset": (int, 0), "stderr_offset": (int, 0),
                            "follow": (bool, False), "timeout": (float | None, None),
                            "max_bytes": (int, 16 << 20), "stream": (bool, False)}, JSON,

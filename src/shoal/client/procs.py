@@ -147,3 +147,41 @@ class AsyncProcess:
 
 async def start(sandbox: Any, args: dict[str, Any]) -> AsyncProcess:
     return AsyncProcess(sandbox, await sandbox._step("proc_start", args))
+
+
+async def start_streaming(
+    sandbox: Any, args: dict[str, Any], *, timeout: float | None = None
+) -> AsyncIterator[AsyncProcess | OutputChunk]:
+    """Start a background process and follow it in one request (`proc_start` with stream): yields its
+    AsyncProcess once it started, then its output as it is printed, until it ends or `timeout` passes (the
+    handle then still says running). What `start` then `stream` do, without a second request per command
+    (the E2B layer's Start, issue 13)."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    call_args = {**args, "stream": True} if timeout is None else {**args, "stream": True, "timeout": timeout}
+    task = asyncio.ensure_future(sandbox._step("proc_start", call_args, on_event=queue.put_nowait))
+    task.add_done_callback(lambda _t: queue.put_nowait(None))
+    proc: AsyncProcess | None = None
+    try:
+        while (item := await queue.get()) is not None:
+            if proc is None:  # the first event: the start's answer
+                proc = AsyncProcess(sandbox, item)
+                yield proc
+                continue
+            chunk = protocol.convert(item, OutputChunk)
+            if chunk.stream == "stdout":
+                proc.stdout_offset += len(chunk.data)
+            else:
+                proc.stderr_offset += len(chunk.data)
+            yield chunk
+        answer = task.result()
+        if proc is None:  # fast-forwarded from the trajectory log: its answer is the logged start; follow it now
+            proc = AsyncProcess(sandbox, answer)
+            yield proc
+            async for chunk in proc.stream(timeout=timeout):
+                yield chunk
+            return
+        proc._update(answer)
+        proc.stdout_offset, proc.stderr_offset = answer["stdout_offset"], answer["stderr_offset"]
+    finally:
+        if not task.done():
+            task.cancel()

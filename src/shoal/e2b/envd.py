@@ -177,15 +177,18 @@ class Processes:
         self.known.clear()  # the processes live in their sandboxes, not here
 
 
-async def _stream(proc: AsyncProcess, wrap: Any, timeout: float | None, kill_at_deadline: bool) -> AsyncIterator[Any]:
-    """Yield `proc`'s output as events (wrapped in the RPC's response message), keepalives while it is quiet,
-    and its end event; at the deadline (the SDK's command timeout) a started command is killed."""
+async def _stream(
+    proc: AsyncProcess, chunks: AsyncIterator[Any], wrap: Any, kill_at_deadline: bool
+) -> AsyncIterator[Any]:
+    """Yield `proc`'s output (`chunks`, which end when it ends or its deadline passes) as events wrapped in
+    the RPC's response message, keepalives while it is quiet, and its end event; at the deadline (the SDK's
+    command timeout) a started command is killed."""
     queue: asyncio.Queue[Any] = asyncio.Queue()
     done = object()
 
     async def pump() -> None:
         try:
-            async for chunk in proc.stream(timeout=timeout):
+            async for chunk in chunks:
                 queue.put_nowait(chunk)
         except BaseException as exc:  # handed to the stream below
             queue.put_nowait(exc)
@@ -208,6 +211,7 @@ async def _stream(proc: AsyncProcess, wrap: Any, timeout: float | None, kill_at_
             yield wrap(event=_data("pty" if proc.pty else item.stream, item.data))
     finally:
         task.cancel()
+        await asyncio.wait([task])  # `chunks` is no longer being iterated: its owner may close it
     if proc.running:  # the deadline passed
         if kill_at_deadline:
             with contextlib.suppress(ShoalError):
@@ -254,15 +258,19 @@ class ProcessService:
             "pty": size,
             "open_stdin": bool(request.stdin) or size is not None,
         }
-        try:
-            proc = await procs.start(sandbox, {k: v for k, v in args.items() if v is not None})
-        except ShoalError as exc:
-            raise connect_error(exc) from None
-        self.processes.remember(sandbox.id, proc.id, Proc(config, tag, bool(request.stdin), size is not None))
-        yield process_pb.StartResponse(event=_event("start", process_pb.ProcessEvent.StartEvent(pid=proc.id)))
         timeout = timeout_ms / 1000 if timeout_ms else None
-        async for item in _stream(proc, process_pb.StartResponse, timeout, kill_at_deadline=True):
-            yield item
+        # started and followed in one request to the node (procs.start_streaming): its first item is the process
+        started = procs.start_streaming(sandbox, {k: v for k, v in args.items() if v is not None}, timeout=timeout)
+        async with contextlib.aclosing(started):
+            try:
+                proc = await anext(started)
+            except ShoalError as exc:
+                raise connect_error(exc) from None
+            assert isinstance(proc, AsyncProcess)
+            self.processes.remember(sandbox.id, proc.id, Proc(config, tag, bool(request.stdin), size is not None))
+            yield process_pb.StartResponse(event=_event("start", process_pb.ProcessEvent.StartEvent(pid=proc.id)))
+            async for item in _stream(proc, started, process_pb.StartResponse, kill_at_deadline=True):
+                yield item
 
     async def connect(self, request: process_pb.ConnectRequest, ctx: Any) -> AsyncIterator[process_pb.ConnectResponse]:
         sandbox = await self._sandbox(ctx)
@@ -271,7 +279,7 @@ class ProcessService:
         proc.stdout_offset, proc.stderr_offset = entry["stdout_offset"], entry["stderr_offset"]  # from now on
         yield process_pb.ConnectResponse(event=_event("start", process_pb.ProcessEvent.StartEvent(pid=proc.id)))
         timeout = ctx.timeout_ms / 1000 if ctx.timeout_ms else None
-        async for item in _stream(proc, process_pb.ConnectResponse, timeout, kill_at_deadline=False):
+        async for item in _stream(proc, proc.stream(timeout=timeout), process_pb.ConnectResponse, False):
             yield item
 
     async def _write(self, sandbox: AsyncSandbox, entry: dict[str, Any], kind: str, data: bytes, eof: bool) -> None:

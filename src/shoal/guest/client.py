@@ -613,9 +613,7 @@ class AgentClient:
             raise
         return conn
 
-    async def _opened(
-        self, kind: bytes, payload: bytes, reply: bytes, conn_type: type = _Conn
-    ) -> tuple[_Conn, bytes]:
+    async def _opened(self, kind: bytes, payload: bytes, reply: bytes, conn_type: type = _Conn) -> tuple[_Conn, bytes]:
         """Send a request whose connection stays open past its first reply (`reply`): the connection and that
         reply's payload; the connection is closed if the reply does not come."""
         conn = await self._request(kind, payload, conn_type)

@@ -1015,7 +1015,12 @@ class NodeService:
         open_stdin: bool = True,
         seq: int | None = None,
         operator: bool = False,
+        stream: bool = False,
+        timeout: float | None = None,
+        emit: Emit | None = None,
     ) -> dict[str, Any]:
+        """With `stream`: the start's answer goes out as the first event and the process is then followed in
+        the same request (what the E2B layer's Start is: one request, not a start and a read)."""
         sandbox = self._get(sandbox_id)
         size = procs.terminal_size(pty)
         args = {"cmd": cmd, "env": env or {}, "cwd": cwd, "user": user, "stdin": stdin, "merge_stderr": merge_stderr,
@@ -1036,7 +1041,11 @@ class NodeService:
             sandbox.remember_exec(started["id"], command)
             return {**started, "command": command[:200]}
 
-        return await self._step(sandbox, "proc_start", args, seq, run, operator)
+        started = await self._step(sandbox, "proc_start", args, seq, run, operator)
+        if not stream or emit is None:
+            return started
+        await emit(started)
+        return await self.proc_read(sandbox_id, started["id"], follow=True, timeout=timeout, stream=True, emit=emit)
 
     async def proc_read(
         self,
