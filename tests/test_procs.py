@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import shoal
+from shoal.client import procs
 from shoal.client.procs import AsyncProcess
 
 START = """
@@ -167,6 +168,36 @@ async def test_async_process_handle(aclient: shoal.AsyncClient) -> None:
         assert (result.exit_code, result.stderr) == (5, "to stderr\n")
         with pytest.raises(shoal.ProcessNotFoundError):
             await sb.process(424242)
+
+
+async def test_a_process_started_and_followed_in_one_request(aclient: shoal.AsyncClient) -> None:
+    """`proc_start` with stream (the E2B layer's commands.run): the process first, then its output as it is
+    printed, then how it ended; past the timeout it keeps running, is listed and is read on by its ID."""
+    async with await aclient.create(image="busybox", pool=False, ttl_s=300) as sb:
+        items = [
+            item
+            async for item in procs.start_streaming(sb, {"sandbox_id": sb.id, "cmd": "echo out; echo err >&2; exit 3"})
+        ]
+        proc, chunks = items[0], items[1:]
+        assert isinstance(proc, AsyncProcess) and proc.id > 0
+        assert {(c.stream, c.data) for c in chunks} == {("stdout", b"out\n"), ("stderr", b"err\n")}
+        assert (proc.running, proc.exit_code, proc.stdout_offset, proc.stderr_offset) == (False, 3, 4, 4)
+
+        slow = procs.start_streaming(sb, {"sandbox_id": sb.id, "cmd": "echo first; sleep 300"}, timeout=1.0)
+        items = [item async for item in slow]
+        proc = items[0]
+        assert proc.running
+        assert proc.id in [p["id"] for p in await sb.processes(background=True) if p["running"]]
+        await proc.kill()
+        rest = await proc.wait(timeout=60)  # the output from where the stream stopped
+        assert rest.signal == signal.SIGKILL
+        assert b"".join(c.data for c in items[1:]) + rest.stdout_bytes == b"first\n"
+
+        events = []  # the raw operation (last: the handle numbers its own steps, this one the node does)
+        answer = await aclient.call("proc_start", {"sandbox_id": sb.id, "cmd": "echo a", "stream": True},
+                                    on_event=events.append)  # fmt: skip
+        assert events[0]["id"] == answer["id"] and events[0]["command"] == "echo a"
+        assert (answer["running"], answer["exit_code"]) == (False, 0) and b"".join(e["data"] for e in events[1:])
 
 
 @pytest.mark.parametrize("kind", ["runsc", "microvm"])
