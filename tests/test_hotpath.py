@@ -173,3 +173,84 @@ def _aio_available(tmp_path: Path) -> bool:
     if sync is not None:
         sync.close()
     return sync is not None
+
+
+async def test_an_append_answers_only_after_the_fsync_that_covers_it(tmp_path: Path, monkeypatch) -> None:
+    """Durable before the answer: with the fsync's completion held back, the append does not return (a log
+    that answered at the write, or at the fsync's submission, fails here), through AIO and the thread."""
+    import threading
+
+    for thread in (False, True):
+        log = TrajectoryLog(tmp_path / f"trajectory-{thread}.db", reserve_bytes=0)
+        if thread:
+            log._aio_tried = True  # as where Linux AIO cannot fsync: the syncer thread does it
+        try:
+            await log.append("a", 0, "exec", "k", {}, {}, None, 0.0)
+            gate = threading.Event()
+            if log._aio is not None:  # hold the kernel's completion: the eventfd is not watched
+                asyncio.get_running_loop().remove_reader(log._aio.eventfd)
+            else:
+                real = os.fdatasync
+                monkeypatch.setattr(os, "fdatasync", lambda fd, g=gate, r=real: g.wait(60) and r(fd))
+            commits = log.commits
+            step = asyncio.ensure_future(log.append("a", 1, "exec", "k", {}, {"n": 1}, None, 0.0))
+            await asyncio.sleep(0.3)  # time enough for a log that does not wait to have answered
+            assert not step.done() and log.commits == commits
+            if log._aio is not None:
+                asyncio.get_running_loop().add_reader(log._aio.eventfd, log._aio_done)
+            gate.set()
+            await asyncio.wait_for(step, 60)
+            assert log.commits == commits + 1 and log.get("a", 1).result == {"n": 1}
+            monkeypatch.undo()
+        finally:
+            log.close()
+
+
+async def test_a_write_waits_for_the_checkpoints_lock_without_blocking_the_loop(tmp_path: Path) -> None:
+    """The checkpoint that lets the WAL start over holds SQLite's write lock for a moment: a step's write
+    then waits on the loop (retried), it does not sleep in SQLite with the whole node stopped."""
+    log = TrajectoryLog(tmp_path / "trajectory.db", reserve_bytes=0)
+    holder = sqlite3.connect(tmp_path / "trajectory.db", isolation_level=None)
+    try:
+        await log.append("a", 0, "exec", "k", {}, {}, None, 0.0)
+        holder.execute("BEGIN IMMEDIATE")  # the write lock, as the RESTART checkpoint takes it
+        step = asyncio.ensure_future(log.append("a", 1, "exec", "k", {}, {"n": 1}, None, 0.0))
+        ticks = 0
+        for _ in range(20):  # the loop keeps running meanwhile
+            await asyncio.sleep(0.005)
+            ticks += 1
+        assert ticks == 20 and not step.done()
+        holder.execute("COMMIT")
+        await asyncio.wait_for(step, 60)
+        assert log.get("a", 1).result == {"n": 1}
+    finally:
+        holder.close()
+        log.close()
+
+
+async def test_the_wal_starts_over_instead_of_growing(tmp_path: Path) -> None:
+    """After a checkpoint the WAL is written over in place: an fdatasync then flushes data only, with no new
+    size or blocks for the file system's journal to commit (twice the cost, bench/bench_walfloor.py)."""
+    from shoal.node.trajectory import CHECKPOINT_WRITES
+
+    log = TrajectoryLog(tmp_path / "trajectory.db", reserve_bytes=0)
+    wal = tmp_path / "trajectory.db-wal"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 120
+
+    async def writer(name: str) -> None:  # steps keep landing while the checkpoint copies
+        seq = 0
+        while log.checkpoints < 1 and loop.time() < deadline:
+            await log.append(name, seq, "exec", "k", {"cmd": ["true"]}, {"exit_code": 0}, None, 0.0)
+            seq += 1
+
+    try:
+        await asyncio.gather(*(writer(f"w{i}") for i in range(4)))
+        assert log.checkpoints >= 1
+        grown = wal.stat().st_size
+        for seq in range(CHECKPOINT_WRITES // 2):
+            await log.append("b", seq, "exec", "k", {"cmd": ["true"]}, {"exit_code": 0}, None, 0.0)
+        assert wal.stat().st_size <= grown  # written over from its start
+        assert log.next_seq("b") == CHECKPOINT_WRITES // 2
+    finally:
+        log.close()
