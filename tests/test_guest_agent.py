@@ -644,6 +644,30 @@ async def test_background_terminal_size_and_resize(agent: Agent) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+async def test_background_followed_on_its_starting_connection(agent: Agent) -> None:
+    """'B' with the follow flag: the starter's connection stays, a follower from offset 0 (output, then the
+    status), and the process is a background one like any other (listed, attached, read again)."""
+    pid, id, follower = await agent.client.background_follow(
+        ["sh", "-c", "echo out; echo err >&2; read x; echo $x; exit 4"], env=ENV
+    )
+    assert follower is not None and (follower.pid, follower.id, follower.pty) == (pid, id, False)
+    assert id in [e.id for e in await agent.client.background_list()]
+    await agent.client.control(id, control_frames(stdin=b"in\n", eof=True))
+    assert await _drain(follower) == (b"out\nin\n", b"err\n")
+    assert follower.status is not None and not follower.status.running and follower.status.exit_code == 4
+    out, err, status = await _read(agent, id)
+    assert (out, err, status.exit_code) == (b"out\nin\n", b"err\n", 4)
+    # the follower may go away first: the process goes on, on its own
+    arg = unique_sleep_arg()
+    pid, id, follower = await agent.client.background_follow(["sleep", arg], env=ENV)
+    assert follower is not None
+    await follower.close()
+    try:
+        assert (await agent.client.control(id, b"")).running
+    finally:
+        await agent.client.control(id, control_frames(signal=signal.SIGKILL))
+
+
 async def test_attach_to_unknown_background_process(agent: Agent) -> None:
     with pytest.raises(AgentError) as info:
         await agent.client.attach(agent.proc.pid, Attached.READ)

@@ -71,6 +71,7 @@
 
 #define EXEC_STDIN_PIPE 1u
 #define EXEC_MERGE_STDERR 2u
+#define EXEC_BG_FOLLOW 4u /* 'B': the starter follows it on the same connection (as 'A' FOLLOW from 0) */
 #define WRITE_MKDIRS 1u
 #define WRITE_APPEND 2u
 

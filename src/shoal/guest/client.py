@@ -56,6 +56,7 @@ _ERRNO_CLASSES: dict[int, type[OSError]] = {
 
 EXEC_STDIN_PIPE = 1
 EXEC_MERGE_STDERR = 2
+EXEC_BG_FOLLOW = 4  # 'B': the starter follows the process on the same connection
 WRITE_MKDIRS = 1
 WRITE_APPEND = 2
 
@@ -497,14 +498,22 @@ def _set_none(future: asyncio.Future) -> None:
 
 
 def _exec_payload(
-    argv: list[str], env: dict[str, str], cwd: str, uid: int, gid: int, cap: int, stdin_pipe: bool, merge: bool
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    uid: int,
+    gid: int,
+    cap: int,
+    stdin_pipe: bool,
+    merge: bool,
+    more_flags: int = 0,
 ) -> bytes:
     """An exec request ('E', and the start of a background one, 'B'): see parse_exec in agent.c."""
     if not argv:
         raise ValueError("argv must not be empty")
     if not 0 <= cap < 1 << 32:
         raise ValueError("cap_bytes must fit in 32 bits (0 = unlimited)")
-    flags = (EXEC_STDIN_PIPE if stdin_pipe else 0) | (EXEC_MERGE_STDERR if merge else 0)
+    flags = (EXEC_STDIN_PIPE if stdin_pipe else 0) | (EXEC_MERGE_STDERR if merge else 0) | more_flags
     parts = [struct.pack(">IIII", cap, uid, gid, flags), _cstr(cwd), _U32.pack(len(argv))]
     parts += [_cstr(a) for a in argv]
     parts.append(_U32.pack(len(env)))
@@ -724,18 +733,59 @@ class AgentClient:
     ) -> tuple[int, int]:
         """Start ``argv`` as a background process (on a terminal of ``size`` = (rows, cols) if given), which
         outlives this connection; returns (pid, id). Its output is kept in rings of ``ring_bytes`` per stream."""
+        pid, keeper, _ = await self._background(argv, env, cwd, uid, gid, ring_bytes, stdin_pipe, merge_stderr, size)
+        return pid, keeper
+
+    async def background_follow(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str = "/",
+        uid: int = 0,
+        gid: int = 0,
+        ring_bytes: int = 1 << 20,
+        stdin_pipe: bool = True,
+        merge_stderr: bool = False,
+        size: tuple[int, int] | None = None,
+    ) -> tuple[int, int, Attached | None]:
+        """`background`, and its output followed from the start on the same connection (an Attached in FOLLOW
+        mode; the caller closes it): no second connection (and fork of a handler in the sandbox) per command.
+        None for the Attached from an agent that does not know the flag (it closed the connection): attach."""
+        return await self._background(argv, env, cwd, uid, gid, ring_bytes, stdin_pipe, merge_stderr, size, True)
+
+    async def _background(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        uid: int,
+        gid: int,
+        ring_bytes: int,
+        stdin_pipe: bool,
+        merge_stderr: bool,
+        size: tuple[int, int] | None,
+        follow: bool = False,
+    ) -> tuple[int, int, Attached | None]:
         rows, cols = size or (0, 0)
         if size is not None and not (0 < rows < 1 << 16 and 0 < cols < 1 << 16):
             raise ValueError(f"terminal size must be 1..65535 rows and columns, not {size}")
-        payload = _exec_payload(argv, env, cwd, uid, gid, ring_bytes, stdin_pipe, merge_stderr)
+        flags = EXEC_BG_FOLLOW if follow else 0
+        payload = _exec_payload(argv, env, cwd, uid, gid, ring_bytes, stdin_pipe, merge_stderr, flags)
         payload += _U32.pack(rows << 16 | cols)
         conn = await self._request(b"B", payload, _SockConn)
+        attached = None
         try:
             _, reply = await conn.expect(b"P")
+            pid, keeper = struct.unpack_from(">II", reply)
+            if follow:
+                with contextlib.suppress(ConnectionError):  # an older agent closed it: the caller attaches
+                    _, reply = await conn.expect(b"P")
+                    attached = Attached(conn, pid, keeper, bool(struct.unpack_from(">II?", reply)[2]), (0, 0))
         finally:
-            await conn.close()
-        pid, keeper = struct.unpack_from(">II", reply)
-        return pid, keeper
+            if attached is None:
+                await conn.close()
+        return pid, keeper, attached
 
     async def attach(self, id: int, mode: int, offsets: tuple[int, int] = (0, 0), frames: bytes = b"") -> Attached:
         """Connect to background process `id` (Attached.READ, FOLLOW or CONTROL), sending `frames` first."""

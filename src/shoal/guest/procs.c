@@ -441,7 +441,24 @@ static void do_background(const unsigned char *pl, uint32_t plen) {
     send_frame('P', hdr, 8);
     flush_out();
     close(go[1]);
-    close(conn); /* from here on the process is on its own: clients attach ('A') */
+    if (rq.flags & EXEC_BG_FOLLOW) { /* the starter stays, a follower from offset 0 as if it had attached */
+        struct bg_client *cl = &bg_cl[0];
+        memset(cl, 0, sizeof(*cl));
+        cl->fd = conn;
+        cl->mode = 1;
+        cl->out = malloc(BG_OUT_CAP);
+        if (cl->out) {
+            unsigned char ph[9];
+            put_u32(ph, (uint32_t)pid);
+            put_u32(ph + 4, (uint32_t)getpid());
+            ph[8] = (unsigned char)(bg_term >= 0);
+            bgc_put(cl, 'P', ph, sizeof(ph));
+            bg_ncl = 1;
+            conn = -1;
+        }
+    }
+    if (conn >= 0)
+        close(conn); /* from here on the process is on its own: clients attach ('A') */
     conn = -1;
     prctl(PR_SET_NAME, "shoal-bg");
 

@@ -74,13 +74,20 @@ async def start(
     size: tuple[int, int] | None,
     stdin: bytes | None,
     open_stdin: bool = True,
+    follow: list[Attached] | None = None,
 ) -> dict[str, Any]:
+    """Start it; with `follow` (a list), it is also followed from its start on the same connection to the
+    agent, whose Attached is appended there (see `read`; the caller closes it), when the agent can."""
     if size is not None:
         env = {"TERM": DEFAULT_TERM, **env}
-    pid, id = await agent.background(
-        argv, env=env, cwd=cwd, uid=uid, gid=gid, ring_bytes=ring_bytes, merge_stderr=merge_stderr, size=size,
-        stdin_pipe=open_stdin or bool(stdin),
-    )  # fmt: skip
+    options = dict(env=env, cwd=cwd, uid=uid, gid=gid, ring_bytes=ring_bytes, merge_stderr=merge_stderr, size=size,
+                   stdin_pipe=open_stdin or bool(stdin))  # fmt: skip
+    if follow is None:
+        pid, id = await agent.background(argv, **options)
+    else:
+        pid, id, attached = await agent.background_follow(argv, **options)
+        if attached is not None:
+            follow.append(attached)
     if stdin:
         await agent.control(id, control_frames(stdin=stdin, eof=not open_stdin))
     return {"id": id, "pid": pid, "pty": size is not None}
@@ -99,6 +106,13 @@ async def read(
     """Output from `offsets`: what there is now, or (follow) until the process ended or `timeout` passed;
     with `emit`, a follower's output goes out as events instead of in the answer."""
     attached = await agent.attach(id, Attached.FOLLOW if follow else Attached.READ, offsets)
+    return await read_attached(attached, id, follow=follow, timeout=timeout, max_bytes=max_bytes, emit=emit)
+
+
+async def read_attached(
+    attached: Attached, id: int, *, follow: bool, timeout: float | None, max_bytes: int, emit: Emit | None
+) -> dict[str, Any]:
+    """`read` on a connection attached already (`start` with follow); closes it."""
     out, err = bytearray(), bytearray()
     deadline = time.monotonic() + timeout if timeout is not None else None
     try:

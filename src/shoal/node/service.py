@@ -1023,6 +1023,7 @@ class NodeService:
         the same request (what the E2B layer's Start is: one request, not a start and a read)."""
         sandbox = self._get(sandbox_id)
         size = procs.terminal_size(pty)
+        follow: list[Any] | None = [] if stream and emit is not None else None  # the start's own connection
         args = {"cmd": cmd, "env": env or {}, "cwd": cwd, "user": user, "stdin": stdin, "merge_stderr": merge_stderr,
                 "pty": pty, "output_cap_bytes": output_cap_bytes}  # fmt: skip
 
@@ -1035,17 +1036,31 @@ class NodeService:
             started = await self._proc(sandbox, None, procs.start(
                 sandbox.agent, argv, env={**sandbox.env, **(env or {})}, cwd=cwd or sandbox.workdir, uid=uid,
                 gid=gid, ring_bytes=min(cap, 1 << 30), merge_stderr=merge_stderr, size=size, stdin=stdin,
-                open_stdin=open_stdin,
+                open_stdin=open_stdin, follow=follow,
             ))  # fmt: skip
             command = cmd if isinstance(cmd, str) else " ".join(cmd)
             sandbox.remember_exec(started["id"], command)
             return {**started, "command": command[:200]}
 
-        started = await self._step(sandbox, "proc_start", args, seq, run, operator)
-        if not stream or emit is None:
-            return started
-        await emit(started)
-        return await self.proc_read(sandbox_id, started["id"], follow=True, timeout=timeout, stream=True, emit=emit)
+        try:
+            started = await self._step(sandbox, "proc_start", args, seq, run, operator)
+            if follow is None:
+                return started
+            await emit(started)  # type: ignore[misc]
+            attached = follow.pop() if follow else None
+        finally:
+            for unused in follow or ():
+                await unused.close()
+        if attached is None:  # a step fast-forwarded from the log, or an agent without the follow flag
+            return await self.proc_read(sandbox_id, started["id"], follow=True, timeout=timeout, stream=True, emit=emit)
+        read = procs.read_attached(attached, started["id"], follow=True, timeout=timeout,
+                                   max_bytes=procs.READ_MAX_BYTES, emit=emit)  # fmt: skip
+        sandbox.busy += 1  # as proc_read's follower: a command being followed keeps the sandbox busy
+        try:
+            return await self._proc(sandbox, started["id"], read)
+        finally:
+            sandbox.busy -= 1
+            sandbox.last_active = time.time()
 
     async def proc_read(
         self,
