@@ -236,6 +236,7 @@ class FunctionService:
 
     async def _stop_worker(self, worker: Worker) -> None:
         worker.broken = True
+        worker.close()
         try:
             worker.writer.close()
         except Exception:  # noqa: BLE001

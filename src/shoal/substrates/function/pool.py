@@ -61,6 +61,20 @@ class Worker:
     broken: bool = False
     aborting: asyncio.Future | None = None
     watcher: asyncio.Future | None = None  # drains the worker process's own output; marks it broken on exit
+    occupied: call_limits.Occupancy = field(init=False)
+    # which call cgroup directories a call's child joins, with and without a cpu limit: every cgroup a
+    # child joins costs it a migration, so the cpu hierarchy only when a cpu limit applies
+    join_all: list[int] = field(init=False)
+    join_no_cpu: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.occupied = call_limits.Occupancy(self.dirs)
+        self.join_all = list(range(len(self.dirs)))
+        self.join_no_cpu = [i for i, d in enumerate(self.dirs) if not call_limits.is_cpu(d)]
+
+    def close(self) -> None:
+        """Release what the node holds open for this worker (its call cgroup's pids.current)."""
+        self.occupied.close()
 
     async def run(
         self, request: dict[str, Any], limits: CallLimits, budget_s: float, kill_after: float | None = None
@@ -74,8 +88,7 @@ class Worker:
         if limits != self.limits:
             await asyncio.to_thread(call_limits.apply, self.dirs, limits)
             self.limits = limits
-        # the cpu hierarchy only when a cpu limit applies: every cgroup a child joins costs it a migration
-        request["join"] = [i for i, d in enumerate(self.dirs) if limits.cpu or not call_limits.is_cpu(d)]
+        request["join"] = self.join_all if limits.cpu else self.join_no_cpu
         request["pids"] = limits.pids
         body = json.dumps(request, separators=(",", ":")).encode()
         self.calls += 1
@@ -103,7 +116,7 @@ class Worker:
         except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
             self.broken = True
             raise SandboxLostError(f"function worker {self.sandbox.id} stopped answering: {exc}") from exc
-        if call_limits.occupied(self.dirs):  # the call left processes the worker could not kill
+        if self.occupied():  # the call left processes the worker could not kill
             await self._empty_call_cgroup()
         reply["oom_killed"], reply["oom_kills"] = False, 0
         if any(step.get("signal") == 9 for step in reply.get("steps", ())):  # only a SIGKILL can be an OOM kill
