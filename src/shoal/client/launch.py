@@ -21,6 +21,8 @@ def spawn_background(paths: Paths, timeout: float = 30.0) -> None:
     paths.home.mkdir(parents=True, exist_ok=True)
     read_fd, write_fd = os.pipe()
     env = dict(os.environ, SHOAL_READY_FD=str(write_fd), SHOAL_HOME=str(paths.home), SHOAL_IMAGES=str(paths.images))
+    if env.get("PYTHONPATH"):  # the node starts in "/": a relative entry (`PYTHONPATH=src`) would name another tree
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else p for p in env["PYTHONPATH"].split(os.pathsep))
     with open(paths.log, "ab") as log_file:
         proc = subprocess.Popen(
             [sys.executable, "-m", "shoal.node"],
