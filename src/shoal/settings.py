@@ -163,6 +163,15 @@ DEFAULT_DISK_MB: Setting[int] = _declare(
     "SHOAL_DEFAULT_DISK_MB", int, None, SANDBOX_KINDS,
     "Disk cap (MB) of containers that name no `disk_mb`.", fallback="no cap",
 )  # fmt: skip
+SEALED_RUNTIME: Setting[bool] = _declare(
+    "SHOAL_SEALED_RUNTIME", bool, True, SANDBOX_KINDS,
+    "Run crun/runc from one sealed in-memory copy per node (they skip re-executing themselves per create); 0: off.",
+)  # fmt: skip
+CGROUP_FAVOR_DYNMODS: Setting[bool] = _declare(
+    "SHOAL_CGROUP_FAVOR_DYNMODS", bool, True, SANDBOX_KINDS,
+    "Remount the host's cgroup2 with `favordynmods` at node start (a container's cgroup join then waits for no "
+    "RCU grace period, ~10 ms per create); 0: leave the host's cgroup mount as it is.",
+)  # fmt: skip
 RUNSC_PLATFORM: Setting[str] = _declare(
     "SHOAL_RUNSC_PLATFORM", str, None, SANDBOX_KINDS,
     "gVisor's platform (`systrap`, `ptrace` or `kvm`; KVM only when named: it needs VMX/SVM a guest can use).",

@@ -14,7 +14,7 @@ from typing import Any
 from shoal import cgroups, linux
 from shoal.config import NodeSettings, Paths
 from shoal.errors import NodeError
-from shoal.settings import LOG_LEVEL, READY_FD
+from shoal.settings import CGROUP_FAVOR_DYNMODS, LOG_LEVEL, READY_FD
 
 log = logging.getLogger("shoal.node")
 
@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None, network: NetworkFront | None = None) -> 
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     lock_fd = acquire_lock(paths)
+    if CGROUP_FAVOR_DYNMODS.get():  # in the host's namespace: a hybrid host's cgroup2 is unmounted below
+        log.info("%s", cgroups.favor_dynamic_modifications())
     host_ns = prepare_mount_namespace(paths)  # before any thread exists: unshare requires it
     ready_fd = READY_FD.get()
     os.environ.pop(READY_FD.name, None)  # not inherited by what the node starts
