@@ -9,12 +9,18 @@ then /tmp/before/src; AFTER_SRC defaults to this tree's). Prints per variant: lo
 the same with record=False (`bare`), warm-pool claims (`claim`) and exec throughput over 16 sandboxes
 (`tput`): p50/p99 latency, node CPU-ms per op (utime+stime of each node process from /proc, all threads) and
 the per-round CPU figures, whose spread shows how far the load moved them.
+
+`create` (sequential create -> close; latency of the create) and `conc` (create + exec `true` + close,
+16 at a time) also print shoal's CPU per op: the node with the children it reaped (the runtimes) and its
+sandboxes' cgroups, as bench_hotpath's "shoal CPU" counts it, and the machine's (all processes, noisy);
+with `create`, raw `crun run -d` of a prepared bundle and a bwrap cycle run in the same rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -26,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import IMAGES, cpu_seconds, pct  # noqa: E402
 
 import shoal  # noqa: E402
+from shoal import cgroups  # noqa: E402
 
 IMAGE = "busybox"
 TTL = 600.0
@@ -52,12 +59,29 @@ def stop_node(home: str) -> None:
         time.sleep(0.05)
 
 
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def shoal_cpu_s(v: Variant) -> float:
+    """The node, the runtimes it reaped and its sandboxes' cgroups (what a create costs shoal, all in)."""
+    fields = Path(f"/proc/{v.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own = sum(int(x) for x in fields[11:15]) * TICK_S
+    return own + (cgroups.cpu_seconds(f"shoal-bench-ab-{v.name}") or 0.0)
+
+
+def machine_cpu_s() -> float:
+    values = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(values[:8]) - values[3] - values[4]) * TICK_S
+
+
 class Variant:
     def __init__(self, name: str, client: shoal.AsyncClient, pid: int) -> None:
         self.name, self.client, self.pid = name, client, pid
         self.seconds: dict[str, list[float]] = {}
         self.cpu: dict[str, list[float]] = {}
         self.rates: list[float] = []
+        self.conc_rates: list[float] = []
+        self.extra: dict[str, list[tuple[float, float]]] = {}  # what -> per round (shoal, machine) CPU-ms/op
         self.logged: shoal.AsyncSandbox | None = None
         self.unlogged: shoal.AsyncSandbox | None = None
 
@@ -88,6 +112,45 @@ async def claim_round(v: Variant, n: int) -> None:
     await v.client.close_all(labels={"ab": "claim"})
 
 
+async def create_round(v: Variant, n: int) -> None:
+    seconds, cpu0, shoal0, machine0 = [], cpu_seconds(v.pid), shoal_cpu_s(v), machine_cpu_s()
+    for _ in range(n):
+        t = time.perf_counter()
+        sb = await v.client.create(image=IMAGE, pool=False, ttl_s=TTL)
+        seconds.append(time.perf_counter() - t)
+        await sb.close()
+    v.add("create", seconds, (cpu_seconds(v.pid) - cpu0) * 1e3 / n)
+    v.extra.setdefault("create", []).append(
+        ((shoal_cpu_s(v) - shoal0) * 1e3 / n, (machine_cpu_s() - machine0) * 1e3 / n)
+    )
+
+
+async def concurrent_round(v: Variant, n: int) -> None:
+    gate = asyncio.Semaphore(16)
+
+    async def one() -> None:
+        async with gate:
+            sb = await v.client.create(image=IMAGE, pool=False, ttl_s=TTL)
+            await sb.exec(["true"])
+            await sb.close()
+
+    cpu0, shoal0, machine0, t = cpu_seconds(v.pid), shoal_cpu_s(v), machine_cpu_s(), time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(n)))
+    wall = time.perf_counter() - t
+    v.add("conc", [], (cpu_seconds(v.pid) - cpu0) * 1e3 / n)
+    v.extra.setdefault("conc", []).append(((shoal_cpu_s(v) - shoal0) * 1e3 / n, (machine_cpu_s() - machine0) * 1e3 / n))
+    v.conc_rates.append(n / wall)
+
+
+def raw_round(raws: dict[str, list], n: int) -> None:
+    """bench/_raw.py's `crun run -d` of prepared bundles and bwrap cycles, in the same rounds."""
+    for mode in ("crun-create", "bwrap"):
+        out = subprocess.run([sys.executable, str(Path(__file__).with_name("_raw.py")), mode, str(n)],
+                             capture_output=True, text=True)  # fmt: skip
+        if out.returncode == 0:
+            raws.setdefault(mode, []).append(json.loads(out.stdout))
+
+
 async def throughput_round(v: Variant, per: int) -> None:
     made = await v.client.create_many(16, image=IMAGE, pool=False, ttl_s=TTL, labels={"ab": "tput"}, concurrency=8)
     sandboxes = [s for s in made if isinstance(s, shoal.AsyncSandbox)]
@@ -110,6 +173,7 @@ async def main(args: argparse.Namespace) -> None:
     trees = {"before": args.before, "after": args.after}
     homes: dict[str, str] = {}
     variants: list[Variant] = []
+    raws: dict[str, list] = {}
     try:
         for name, src in trees.items():
             homes[name] = start_node(name, src)
@@ -133,6 +197,12 @@ async def main(args: argparse.Namespace) -> None:
                     await claim_round(v, min(args.n, 30))
                 if "tput" in only:
                     await throughput_round(v, max(5, args.n // 4))
+                if "create" in only:
+                    await create_round(v, args.n)
+                if "conc" in only:
+                    await concurrent_round(v, args.n)
+            if "create" in only:
+                raw_round(raws, args.n)
     finally:
         for v in variants:
             for sb in (v.logged, v.unlogged):
@@ -146,14 +216,33 @@ async def main(args: argparse.Namespace) -> None:
         for v in variants:
             cpu = v.cpu.get(what, [])
             rounds = ", ".join(f"{c:.2f}" for c in cpu)
+            if what == "conc":
+                rate = statistics.median(v.conc_rates)
+                shoal_ms = statistics.median(x[0] for x in v.extra["conc"])
+                machine_ms = statistics.median(x[1] for x in v.extra["conc"])
+                print(f"  {what:<5} {v.name:<6} {rate:7.0f}/s       node {statistics.median(cpu):.2f}, shoal "
+                      f"{shoal_ms:.2f}, machine {machine_ms:.1f} CPU-ms/op ({rounds})")  # fmt: skip
+                continue
             if what == "tput":
                 rate, node = statistics.median(v.rates), statistics.median(cpu)
                 print(f"  {what:<5} {v.name:<6} {rate:7.0f}/s       node {node:.2f} CPU-ms/op ({rounds})")
                 continue
             s = v.seconds[what]
             p50, p99 = statistics.median(s) * 1e3, pct(s, 0.99) * 1e3
-            print(f"  {what:<5} {v.name:<6} p50 {p50:6.2f} ms p99 {p99:7.2f} ms  node {statistics.median(cpu):.2f} "
-                  f"CPU-ms/op ({rounds})")  # fmt: skip
+            extra = ""
+            if what in v.extra:
+                extra = (f", shoal {statistics.median(x[0] for x in v.extra[what]):.2f}, machine "
+                         f"{statistics.median(x[1] for x in v.extra[what]):.1f}")  # fmt: skip
+            print(f"  {what:<5} {v.name:<6} p50 {p50:6.2f} ms p99 {p99:7.2f} ms  node {statistics.median(cpu):.2f}"
+                  f"{extra} CPU-ms/op ({rounds})")  # fmt: skip
+        if what == "create":
+            for mode, label in (("crun-create", "raw crun run -d"), ("bwrap", "raw bwrap cycle")):
+                runs = raws.get(mode, [])
+                s = [x for r in runs for x in r["seconds"]]
+                if s:
+                    cpu_ms = statistics.median(r["cpu_ms"] for r in runs)
+                    print(f"  {label:<18} p50 {statistics.median(s) * 1e3:6.2f} ms p99 {pct(s, 0.99) * 1e3:7.2f} ms  "
+                          f"{cpu_ms:.2f} CPU-ms/op")  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -162,7 +251,7 @@ if __name__ == "__main__":
     parser.add_argument("after", nargs="?", default=str(Path(__file__).resolve().parents[1] / "src"))
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--n", type=int, default=100, help="execs per round (claims: at most 30)")
-    parser.add_argument("--only", default="exec,bare,claim,tput")
+    parser.add_argument("--only", default="exec,bare,claim,tput", help="also: create, conc")
     parser.add_argument("--image", default=IMAGE)
     arguments = parser.parse_args()
     IMAGE = arguments.image
