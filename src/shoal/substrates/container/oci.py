@@ -6,7 +6,7 @@ import resource
 from typing import Any
 
 from shoal.substrates.container import userns
-from shoal.substrates.container.seccomp import gvisor_profile, seccomp_profile
+from shoal.substrates.container.seccomp import gvisor_profile, seccomp_bpf_base64, seccomp_profile
 
 # The capabilities a sandbox keeps: enough for package managers and servers, nothing that reaches the
 # host (no SYS_ADMIN, NET_ADMIN, SYS_PTRACE, SYS_MODULE, MKNOD, NET_RAW ...).
@@ -136,8 +136,13 @@ def bundle_config(
     if userns_base is not None:  # root here is host uid `userns_base`, unprivileged outside
         namespaces.append({"type": "user"})
         linux.update(userns.mappings(userns_base))
+    annotations = {}
+    bpf = None if agent_dir else seccomp_bpf_base64()
+    if bpf:  # crun loads this instead of compiling "seccomp" (runc ignores it and applies the profile)
+        annotations["run.oci.seccomp_bpf_data"] = bpf
     return {
         "ociVersion": "1.0.2",
+        "annotations": annotations,
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
