@@ -193,6 +193,10 @@ async def test_a_process_started_and_followed_in_one_request(aclient: shoal.Asyn
         assert rest.signal == signal.SIGKILL
         assert b"".join(c.data for c in items[1:]) + rest.stdout_bytes == b"first\n"
 
+        # idle: None while it is quiet (a relay's keepalive: the E2B layer's), then the output
+        quiet = [c async for c in procs.start_streaming(sb, {"sandbox_id": sb.id, "cmd": "sleep 1; echo x"}, idle=0.2)]
+        assert quiet[1] is None and [c.data for c in quiet[1:] if c is not None] == [b"x\n"]
+
         events = []  # the raw operation (last: the handle numbers its own steps, this one the node does)
         answer = await aclient.call("proc_start", {"sandbox_id": sb.id, "cmd": "echo a", "stream": True},
                                     on_event=events.append)  # fmt: skip

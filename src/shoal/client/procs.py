@@ -24,6 +24,20 @@ from shoal.protocol import OutputChunk
 DEFAULT_PTY_CMD = "if command -v bash >/dev/null 2>&1; then exec bash -il; else exec sh -i; fi"
 
 
+_IDLE = object()
+
+
+async def _next(queue: asyncio.Queue[Any], idle: float | None) -> Any:
+    """The queue's next item; _IDLE if `idle` seconds pass without one."""
+    if idle is None or not queue.empty():
+        return queue.get_nowait() if not queue.empty() else await queue.get()
+    try:
+        async with asyncio.timeout(idle):
+            return await queue.get()
+    except TimeoutError:
+        return _IDLE
+
+
 class AsyncProcess:
     """A background process (or a terminal's program) in a sandbox; see the module docstring."""
 
@@ -70,9 +84,10 @@ class AsyncProcess:
         self.stdout_offset, self.stderr_offset = answer["stdout_offset"], answer["stderr_offset"]
         return answer
 
-    async def stream(self, *, timeout: float | None = None) -> AsyncIterator[OutputChunk]:
+    async def stream(self, *, timeout: float | None = None, idle: float | None = None) -> AsyncIterator[OutputChunk]:
         """Output as it is printed, from this handle's offsets, until the process ends (or `timeout` passes);
-        the offsets move on, so a later call (from this handle or another) continues where this one stopped."""
+        the offsets move on, so a later call (from this handle or another) continues where this one stopped.
+        `idle`: yield None whenever that many seconds pass without output (a relay's keepalive)."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
         args = self._args(stdout_offset=self.stdout_offset, stderr_offset=self.stderr_offset, follow=True, stream=True)
         if timeout is not None:
@@ -80,7 +95,10 @@ class AsyncProcess:
         task = asyncio.ensure_future(self.sandbox.client.call("proc_read", args, on_event=queue.put_nowait))
         task.add_done_callback(lambda _t: queue.put_nowait(None))
         try:
-            while (item := await queue.get()) is not None:
+            while (item := await _next(queue, idle)) is not None:
+                if item is _IDLE:
+                    yield None  # type: ignore[misc]
+                    continue
                 chunk = protocol.convert(item, OutputChunk)
                 if chunk.stream == "stdout":
                     self.stdout_offset += len(chunk.data)
@@ -150,19 +168,22 @@ async def start(sandbox: Any, args: dict[str, Any]) -> AsyncProcess:
 
 
 async def start_streaming(
-    sandbox: Any, args: dict[str, Any], *, timeout: float | None = None
-) -> AsyncIterator[AsyncProcess | OutputChunk]:
+    sandbox: Any, args: dict[str, Any], *, timeout: float | None = None, idle: float | None = None
+) -> AsyncIterator[AsyncProcess | OutputChunk | None]:
     """Start a background process and follow it in one request (`proc_start` with stream): yields its
     AsyncProcess once it started, then its output as it is printed, until it ends or `timeout` passes (the
-    handle then still says running). What `start` then `stream` do, without a second request per command
-    (the E2B layer's Start, issue 13)."""
+    handle then still says running); None whenever `idle` seconds pass without output. What `start` then
+    `stream` do, without a second request per command (the E2B layer's Start, issue 13)."""
     queue: asyncio.Queue[Any] = asyncio.Queue()
     call_args = {**args, "stream": True} if timeout is None else {**args, "stream": True, "timeout": timeout}
     task = asyncio.ensure_future(sandbox._step("proc_start", call_args, on_event=queue.put_nowait))
     task.add_done_callback(lambda _t: queue.put_nowait(None))
     proc: AsyncProcess | None = None
     try:
-        while (item := await queue.get()) is not None:
+        while (item := await _next(queue, idle if proc is not None else None)) is not None:
+            if item is _IDLE:
+                yield None
+                continue
             if proc is None:  # the first event: the start's answer
                 proc = AsyncProcess(sandbox, item)
                 yield proc
@@ -177,7 +198,7 @@ async def start_streaming(
         if proc is None:  # fast-forwarded from the trajectory log: its answer is the logged start; follow it now
             proc = AsyncProcess(sandbox, answer)
             yield proc
-            async for chunk in proc.stream(timeout=timeout):
+            async for chunk in proc.stream(timeout=timeout, idle=idle):
                 yield chunk
             return
         proc._update(answer)

@@ -180,38 +180,17 @@ class Processes:
 async def _stream(
     proc: AsyncProcess, chunks: AsyncIterator[Any], wrap: Any, kill_at_deadline: bool
 ) -> AsyncIterator[Any]:
-    """Yield `proc`'s output (`chunks`, which end when it ends or its deadline passes) as events wrapped in
-    the RPC's response message, keepalives while it is quiet, and its end event; at the deadline (the SDK's
-    command timeout) a started command is killed."""
-    queue: asyncio.Queue[Any] = asyncio.Queue()
-    done = object()
-
-    async def pump() -> None:
-        try:
-            async for chunk in chunks:
-                queue.put_nowait(chunk)
-        except BaseException as exc:  # handed to the stream below
-            queue.put_nowait(exc)
-        finally:
-            queue.put_nowait(done)
-
-    task = asyncio.ensure_future(pump())
+    """Yield `proc`'s output (`chunks`: output chunks, None after KEEPALIVE_S of quiet; they end when it ends or
+    its deadline passes) as events wrapped in the RPC's response message, keepalives, and its end event; at
+    the deadline (the SDK's command timeout) a started command is killed."""
     try:
-        while True:
-            try:
-                async with asyncio.timeout(KEEPALIVE_S):
-                    item = await queue.get()
-            except TimeoutError:
+        async for item in chunks:
+            if item is None:
                 yield wrap(event=_event("keepalive", process_pb.ProcessEvent.KeepAlive()))
-                continue
-            if item is done:
-                break
-            if isinstance(item, BaseException):
-                raise connect_error(item) if not isinstance(item, asyncio.CancelledError) else item
-            yield wrap(event=_data("pty" if proc.pty else item.stream, item.data))
-    finally:
-        task.cancel()
-        await asyncio.wait([task])  # `chunks` is no longer being iterated: its owner may close it
+            else:
+                yield wrap(event=_data("pty" if proc.pty else item.stream, item.data))
+    except ShoalError as exc:
+        raise connect_error(exc) from None
     if proc.running:  # the deadline passed
         if kill_at_deadline:
             with contextlib.suppress(ShoalError):
@@ -260,7 +239,9 @@ class ProcessService:
         }
         timeout = timeout_ms / 1000 if timeout_ms else None
         # started and followed in one request to the node (procs.start_streaming): its first item is the process
-        started = procs.start_streaming(sandbox, {k: v for k, v in args.items() if v is not None}, timeout=timeout)
+        started = procs.start_streaming(
+            sandbox, {k: v for k, v in args.items() if v is not None}, timeout=timeout, idle=KEEPALIVE_S
+        )
         async with contextlib.aclosing(started):
             try:
                 proc = await anext(started)
@@ -279,8 +260,10 @@ class ProcessService:
         proc.stdout_offset, proc.stderr_offset = entry["stdout_offset"], entry["stderr_offset"]  # from now on
         yield process_pb.ConnectResponse(event=_event("start", process_pb.ProcessEvent.StartEvent(pid=proc.id)))
         timeout = ctx.timeout_ms / 1000 if ctx.timeout_ms else None
-        async for item in _stream(proc, proc.stream(timeout=timeout), process_pb.ConnectResponse, False):
-            yield item
+        chunks = proc.stream(timeout=timeout, idle=KEEPALIVE_S)
+        async with contextlib.aclosing(chunks):
+            async for item in _stream(proc, chunks, process_pb.ConnectResponse, False):
+                yield item
 
     async def _write(self, sandbox: AsyncSandbox, entry: dict[str, Any], kind: str, data: bytes, eof: bool) -> None:
         known = self.processes.known.get((sandbox.id, entry["id"]))
