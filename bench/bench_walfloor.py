@@ -9,7 +9,7 @@ Rows (p50/p99 latency, CPU-ms of this process per op; the kernel's AIO worker is
     (a new size and new blocks for the ext4 journal to commit);
   - the same overwrite with the fdatasync through Linux AIO, completing on an eventfd an asyncio loop
     watches (node/walsync.py): the floor of a durable step that does not block the node's loop;
-  - TrajectoryLog.begin (a step's intent: one SQLite WAL commit, no sync) and .append (commit, fdatasync,
+  - TrajectoryLog.begin (a step's intent: one write() to node/intents.py, no sync) and .append (commit, fdatasync,
     wake-up): what a logged step pays in the log itself;
   - Recorder.step logged minus unlogged around a step that does nothing: the log's whole share of a step,
     without node, client or agent.
@@ -196,7 +196,7 @@ async def main(args: argparse.Namespace) -> None:
     rows.show("grow", "raw: 4120 B append to a growing file + fdatasync")
     if "aio" in rows.seconds:
         rows.show("aio", "raw: overwrite + AIO fdatasync + eventfd wake-up (floor)")
-    rows.show("begin", "log.begin: the intent, one WAL commit, no sync")
+    rows.show("begin", "log.begin: the intent (node/intents.py), no sync")
     rows.show("append", "log.append: WAL commit + fdatasync + wake-ups")
     rows.show("step", "log.begin + log.append (CPU-ms: both)")
     rows.show("recorder-True", "Recorder.step logged, a step that does nothing")

@@ -254,3 +254,44 @@ async def test_the_wal_starts_over_instead_of_growing(tmp_path: Path) -> None:
         assert log.next_seq("b") == CHECKPOINT_WRITES // 2
     finally:
         log.close()
+
+
+async def test_a_running_steps_intent_is_one_write_that_outlives_the_node(tmp_path: Path, monkeypatch) -> None:
+    """An intent is a write() to the intent journal, not a SQLite commit; reads see it while the step runs;
+    a node that starts after one died turns it into the step's row (a re-issue raises), unless the result
+    superseded it or the sandbox's log is gone; a torn tail and the journal's rotation lose nothing else."""
+    from shoal.node import intents
+
+    monkeypatch.setattr(intents, "ROTATE_BYTES", 4096)  # rotate within this test
+    path = tmp_path / "trajectory.db"
+    log = TrajectoryLog(path, reserve_bytes=0)
+    try:
+        await log.open_sandbox("s", None, "busybox", {})
+        for seq in range(60):  # past a rotation or two: finished steps' intents are dropped from the file
+            await log.begin("s", seq, "exec", "k", {"cmd": ["true"]}, 0.0)
+            await log.append("s", seq, "exec", "k", {"cmd": ["true"]}, {"n": seq}, None, 0.0)
+        appended = log.appended
+        await log.begin("s", 60, "exec", "k", {"cmd": ["sleep", "30"]}, 0.0)
+        await log.begin("gone", 0, "exec", "k", {}, 0.0)  # a sandbox whose log was pruned meanwhile
+        assert log.appended == appended  # no SQLite commit for an intent
+        assert log.next_seq("s") == 61 and [s.seq for s in log.steps("s", 58)] == [58, 59, 60]
+        assert "running when the node stopped" in log.get("s", 60).error
+        assert (tmp_path / "trajectory.db.intents").stat().st_size <= 4096 + 512
+    finally:
+        log.close()  # as a node that died: the journal keeps the intents
+    with (tmp_path / "trajectory.db.intents").open("ab") as journal:
+        journal.write(b"\x40\x00\x00\x00\x93")  # a write cut short
+    log = TrajectoryLog(path, reserve_bytes=0)
+    try:
+        assert "running when the node stopped" in log.get("s", 60).error  # a row of the table now
+        assert log.get("gone", 0) is None and not log.intents.running
+        assert [log.get("s", seq).result for seq in (0, 59)] == [{"n": 0}, {"n": 59}]
+        await log.begin("s", 61, "exec", "k", {}, 0.0)
+        await log.append("s", 61, "exec", "k", {}, {"n": 61}, None, 0.0)
+    finally:
+        log.close()
+    log = TrajectoryLog(path, reserve_bytes=0)
+    try:
+        assert log.get("s", 61).result == {"n": 61} and log.next_seq("s") == 62  # superseded, not resurrected
+    finally:
+        log.close()

@@ -2,9 +2,10 @@
 
 One SQLite database per node (`$SHOAL_HOME/trajectory.db`) in WAL mode; a committed step survives a
 SIGKILL of the node and a power cut. Rows are written on the event loop itself (a WAL append without fsync,
-`synchronous=NORMAL`: tens of microseconds and no thread hop, which is all a step's intent needs); then one
-fdatasync of the WAL covers every row written before it started (group commit across sandboxes) and a
-step's result is answered only after the fsync that covers it. NORMAL plus that fsync is what FULL does
+`synchronous=NORMAL`: tens of microseconds and no thread hop); then one fdatasync of the WAL covers every
+row written before it started (group commit across sandboxes) and a step's result is answered only after
+the fsync that covers it. A step's intent (it is about to run) is one write() to a plain file instead
+(node/intents.py): it must outlive the node process only. NORMAL plus that fsync is what FULL does
 (FULL syncs the WAL at every commit). The fsync is submitted to the kernel with Linux AIO and completes on
 an eventfd the loop watches (node/walsync.py: no thread hand-off per step); where AIO cannot fsync, a
 syncer thread does it. Checkpoints, which sync the database file, run on the syncer thread. Reads
@@ -24,6 +25,7 @@ give back bytes it did not keep). Digests of large payloads are computed off the
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import queue
@@ -39,6 +41,7 @@ from typing import Any
 import msgspec
 
 from shoal import settings
+from shoal.node.intents import IntentJournal
 from shoal.node.walsync import WalSync
 from shoal.steps import (
     BULK_ARGS,
@@ -141,6 +144,8 @@ class TrajectoryLog:
         self._db.execute("PRAGMA busy_timeout=0")  # never sleep on the loop: _write_soon retries instead
         self._db.execute("PRAGMA wal_autocheckpoint=0")
         self._db.execute(f"PRAGMA journal_size_limit={JOURNAL_LIMIT}")  # a restarted WAL is cut back to this
+        self.intents = IntentJournal(path.with_name(path.name + ".intents"))
+        self._recover_intents()
         self._wal = f"{path}-wal"
         # (upto, loop, fsync): fsync the WAL for writes up to `upto` (or only checkpoint if not `fsync`)
         self._sync_queue: queue.SimpleQueue[tuple[int, asyncio.AbstractEventLoop, bool] | None] = queue.SimpleQueue()
@@ -160,6 +165,17 @@ class TrajectoryLog:
         self.commits = 0  # fsyncs (each covers every write before it)
         self.appended = 0
         self.checkpoints = 0  # checkpoints after which the WAL started over
+
+    def _recover_intents(self) -> None:
+        """Steps that were running when a node stopped: their intents become their rows (a re-issue raises),
+        unless a result row superseded them or their sandbox's log was pruned since; then the journal
+        starts over. Without an fsync, as the intents themselves (the next step's fsync covers them)."""
+        rows = self.intents.recover()
+        if rows:
+            insert = ("INSERT OR IGNORE INTO steps SELECT ?,?,?,?,?,?,?,?,?,? "
+                      "WHERE EXISTS (SELECT 1 FROM sandboxes WHERE id=?)")  # fmt: skip
+            self._commit(self._db, [(insert, (*row, row[0])) for row in rows if len(row) == 10])
+        self.intents.open()
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -182,10 +198,10 @@ class TrajectoryLog:
         except sqlite3.Error as exc:
             raise self._error(exc) from exc
 
-    def _error(self, exc: sqlite3.Error) -> Exception:
+    def _error(self, exc: sqlite3.Error | OSError) -> Exception:
         from shoal.errors import CapacityError, ShoalError
 
-        if "full" in str(exc):
+        if "full" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC:
             return CapacityError(
                 f"the trajectory log {self.path} cannot be written: no space left; free disk space "
                 "(or create sandboxes with record=False)"
@@ -352,7 +368,12 @@ class TrajectoryLog:
         started_at: float,
     ) -> None:
         row = (sandbox_id, seq, op, key, _encode(args), _encode(result), *(error or (None, None)), started_at)
-        await self._submit("INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?,?,?,?)", (*row, time.time()))
+        try:
+            await self._write_soon([("INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?,?,?,?)", (*row, time.time()))])
+            self.intents.done(sandbox_id, seq)  # superseded (a restarted node skips an intent whose row exists)
+            await self._durable(self._written)
+        except sqlite3.Error as exc:
+            raise self._error(exc) from exc
 
     async def begin(
         self, sandbox_id: str, seq: int, op: str, key: str, args: dict[str, Any], started_at: float
@@ -360,13 +381,22 @@ class TrajectoryLog:
         """Log that a step is about to run: if the node dies before its result is logged, a re-issue of
         the step raises (its outcome is unknown) rather than running it a second time.
 
-        Written to the WAL without an fsync: it must outlive the node process, not the machine (a machine
-        that dies takes its sandboxes, and so the need for the intent, with it)."""
+        One write() to the intent journal (node/intents.py), no SQLite commit and no fsync: it must outlive the
+        node process, not the machine (a machine that dies takes its sandboxes, and so the need for the
+        intent, with it). Reads see it as the step's row until its result replaces it."""
         message = (
             f"step {seq} was running when the node stopped: it may have run, in part or whole; its outcome is unknown"
         )
         row = (sandbox_id, seq, op, key, _encode(args), _encode(None), "ShoalError", message, started_at, None)
-        await self._submit("INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?,?,?,?)", row, fsync=False)
+        try:
+            self.intents.add(row)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or not self._release_reserve():
+                raise self._error(exc) from exc
+            try:
+                self.intents.add(row)  # with the reserve's space
+            except OSError as again:
+                raise self._error(again) from again
 
     async def open_sandbox(self, sandbox_id: str, trajectory: str | None, image: str, spec: Any) -> None:
         """Log a new sandbox (a create or a warm-pool claim answers after this).
@@ -458,23 +488,36 @@ class TrajectoryLog:
             self._aio = None
         self._db.close()
         self._reader.close()
+        self.intents.close()
 
     # ---------------------------------------------------------------- reads
 
     def get(self, sandbox_id: str, seq: int) -> Step | None:
         row = self._reader.execute("SELECT * FROM steps WHERE sandbox_id=? AND seq=?", (sandbox_id, seq)).fetchone()
+        if row is None:
+            row = self.intents.running.get((sandbox_id, seq))
         return None if row is None else _step(row)
 
     def next_seq(self, sandbox_id: str) -> int:
         row = self._reader.execute("SELECT MAX(seq) FROM steps WHERE sandbox_id=?", (sandbox_id,)).fetchone()
-        return 0 if row[0] is None else row[0] + 1
+        running = [seq for sid, seq in self.intents.running if sid == sandbox_id]
+        last = max([*running, *([row[0]] if row[0] is not None else [])], default=None)
+        return 0 if last is None else last + 1
 
     def steps(self, sandbox_id: str, since: int = 0) -> Iterator[Step]:
+        """The steps of a sandbox from `since` in order: the table's rows and the running steps' intents."""
+        running = sorted(row for (sid, seq), row in self.intents.running.items() if sid == sandbox_id and seq >= since)
         cursor = self._reader.execute(
             "SELECT * FROM steps WHERE sandbox_id=? AND seq>=? ORDER BY seq", (sandbox_id, since)
         )
         for row in cursor:
+            while running and running[0][1] < row[1]:
+                yield _step(running.pop(0))
+            if running and running[0][1] == row[1]:
+                running.pop(0)  # its result is in the table (written since the list was taken)
             yield _step(row)
+        for intent in running:
+            yield _step(intent)
 
     def sandbox(self, sandbox_id: str) -> dict[str, Any] | None:
         row = self._reader.execute("SELECT * FROM sandboxes WHERE id=?", (sandbox_id,)).fetchone()
