@@ -753,3 +753,71 @@ async def test_exec_run_errors_before_the_start(agent: Agent, workdir: str) -> N
     with pytest.raises(AgentError, match="malformed") as refused:
         await ExecRun.start(agent.sock_path, malformed, stream=False)
     assert refused.value.errno == errno.EINVAL
+
+
+async def exec_done(client: AgentClient, argv: list[str], stdin: bytes | None = None) -> object:
+    run = await client.exec_run(argv, env=ENV, stdin_pipe=stdin is not None)
+    try:
+        if stdin is not None:
+            await run.send(control_frames(stdin=stdin, eof=True))
+        await finish(run, time.monotonic() + 30)
+    finally:
+        run.close()
+    return run
+
+
+def handlers(agent_pid: int) -> set[int]:
+    """The agent's handler processes (its children other than the reserve)."""
+    out = subprocess.run(["ps", "--ppid", str(agent_pid), "-o", "pid=,comm="], capture_output=True, text=True)
+    return {int(line.split()[0]) for line in out.stdout.splitlines() if "reserve" not in line}
+
+
+async def test_exec_run_keeps_its_connection_while_execs_leave_nothing(agent: Agent) -> None:
+    """Successive execs reuse one connection and its handler (one fork per exec: the command's); an exec that
+    leaves a process running ends that (its handler stays as the keeper, naming the exec) and the next one
+    gets a new handler; stdin frames sent after an exit do not reach the next exec."""
+    client = agent.client
+    first = await exec_done(client, ["true"])
+    again = [await exec_done(client, ["sh", "-c", "echo $$"]) for _ in range(3)]
+    assert {r.handler_pid for r in again} == {first.handler_pid}  # type: ignore[attr-defined]
+    assert [bytes(r.stdout) for r in again] == [b"%d\n" % r.pid for r in again]  # type: ignore[attr-defined]
+    fed = await exec_done(client, ["cat"], stdin=b"abc")
+    assert bytes(fed.stdout) == b"abc" and fed.handler_pid == first.handler_pid  # type: ignore[attr-defined]
+    arg = unique_sleep_arg()
+    left = await exec_done(client, ["sh", "-c", f"sleep {arg} >/dev/null 2>&1 &"])
+    assert left.handler_pid == first.handler_pid and procs_with_arg(arg)  # type: ignore[attr-defined]
+    after = await exec_done(client, ["true"])
+    assert after.handler_pid != left.handler_pid  # type: ignore[attr-defined]
+    assert {p.exec_id for p in await client.processes() if p.command == f"sleep {arg}"} == {left.handler_pid}  # type: ignore[attr-defined]
+    assert await client.kill_processes(left.handler_pid) == (1, 0)  # type: ignore[attr-defined]
+    assert await wait_for(lambda: left.handler_pid not in handlers(agent.proc.pid))  # type: ignore[attr-defined]
+    assert handlers(agent.proc.pid) == {after.handler_pid}  # the kept one waits for the next exec  # type: ignore[attr-defined]
+    client.close()  # the node's destroy: kept connections closed, their handlers gone
+    assert await wait_for(lambda: not handlers(agent.proc.pid))
+    assert bytes((await exec_done(client, ["echo", "still"])).stdout) == b"still\n"  # type: ignore[attr-defined]
+    assert await wait_for(lambda: not handlers(agent.proc.pid))  # a closed client keeps no more
+
+
+async def test_exec_run_redials_a_kept_connection_whose_handler_died(agent: Agent) -> None:
+    """A kept connection's handler killed while idle (`kill -9 -1` in a sandbox) is detected and the exec goes
+    on a new connection, started exactly once; a cancelled exec on a kept connection kills its tree."""
+    client = agent.client
+    idle = await exec_done(client, ["true"])
+    os.kill(idle.handler_pid, signal.SIGKILL)  # type: ignore[attr-defined]
+    assert await wait_for(lambda: idle.handler_pid not in handlers(agent.proc.pid))  # type: ignore[attr-defined]
+    counter = os.path.join(tempfile.mkdtemp(prefix="shoal-agent-count-"), "n")
+    try:
+        ran = await exec_done(client, ["sh", "-c", f"echo x >> {counter}"])
+        assert ran.exit.exit_code == 0 and ran.handler_pid != idle.handler_pid  # type: ignore[attr-defined]
+        with open(counter) as f:
+            assert f.read() == "x\n"
+    finally:
+        shutil.rmtree(os.path.dirname(counter), ignore_errors=True)
+    arg = unique_sleep_arg()
+    task = asyncio.ensure_future(exec_done(client, ["sh", "-c", f"sleep {arg} & sleep {arg}"]))
+    assert await wait_for(lambda: len(procs_with_arg(arg)) == 2, timeout=30)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert await wait_for(lambda: not procs_with_arg(arg), timeout=30)
+    assert await wait_for(lambda: not handlers(agent.proc.pid))

@@ -3,8 +3,11 @@
  *
  * It accepts connections on an already-listening AF_UNIX stream socket
  * (fd 3 by default, or `--fd N`) and forks one handler per connection.  Each
- * handler serves exactly one request (exec, file read/write/list/stat/mkdir/
- * remove, hello, a port relay) and exits.  The main process only accepts and reaps.
+ * handler serves one request (exec, file read/write/list/stat/mkdir/remove,
+ * hello, a port relay) and exits, except an exec asked with EXEC_KEEP_CONN
+ * that left nothing running: then the same handler takes the connection's next
+ * exec, so the node's exec path costs one fork (the command's), not an accept
+ * and two.  The main process only accepts and reaps.
  *
  * Wire format (both directions): u32 length L (type byte + payload), u8 type,
  * L-1 payload bytes.  All integers are big-endian.  See client.py for the
@@ -72,6 +75,7 @@
 #define EXEC_STDIN_PIPE 1u
 #define EXEC_MERGE_STDERR 2u
 #define EXEC_BG_FOLLOW 4u /* 'B': the starter follows it on the same connection (as 'A' FOLLOW from 0) */
+#define EXEC_KEEP_CONN 8u /* 'E': the node keeps the connection for its next exec if this one leaves nothing behind */
 #define WRITE_MKDIRS 1u
 #define WRITE_APPEND 2u
 
@@ -1001,11 +1005,22 @@ static int parse_exec(struct cur *c, struct exec_req *r, uint32_t plen) {
     return 0;
 }
 
-static void do_exec(const unsigned char *pl, uint32_t plen) {
+/* No process of this handler's is left (the command's leftovers would be its children: it is a subreaper). */
+static int no_children(void) {
+    reap_children();
+    pid_t p;
+    while ((p = waitpid(-1, NULL, WNOHANG)) > 0) {
+    }
+    return p < 0 && errno == ECHILD;
+}
+
+/* Run one exec request; 1 if the connection stays for the node's next exec (EXEC_KEEP_CONN, and the
+ * command left nothing running: the exit frame says so), else 0 once this handler is done with it. */
+static int do_exec(const unsigned char *pl, uint32_t plen) {
     struct cur c = {pl, plen, 0};
     struct exec_req rq;
     if (parse_exec(&c, &rq, plen) < 0)
-        return;
+        return 0;
     uint32_t cap = rq.cap, uid = rq.uid, gid = rq.gid, flags = rq.flags;
     const char *cwd = rq.cwd;
     char **argv = rq.argv, **envp = rq.envp;
@@ -1016,7 +1031,7 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
         ((flags & EXEC_STDIN_PIPE) && pipe2(inp, O_CLOEXEC) < 0) ||
         pipe2(sigchld_pipe, O_CLOEXEC | O_NONBLOCK) < 0) {
         send_err(errno, "exec %s: pipe: %s", argv[0], strerror(errno));
-        return;
+        return 0;
     }
     struct sigaction sa;
     memset(&sa, 0, sizeof(sa));
@@ -1030,19 +1045,22 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
     int go[2] = {-1, -1};
     if (pipe2(go, O_CLOEXEC) < 0) {
         send_err(errno, "exec %s: pipe: %s", argv[0], strerror(errno));
-        return;
+        return 0;
     }
     slot_mark_self(SLOT_EXEC);
     pid_t pid = fork();
     if (pid < 0) {
         send_err(errno, "exec %s: fork: %s", argv[0], strerror(errno));
-        return;
+        return 0;
     }
     if (pid == 0) {
         close(go[1]);
         char ready;
-        while (read(go[0], &ready, 1) < 0 && errno == EINTR) {
+        ssize_t got;
+        while ((got = read(go[0], &ready, 1)) < 0 && errno == EINTR) {
         }
+        if (got != 1) /* the handler died before the node had the pid: the command never starts */
+            _exit(127);
         close(go[0]);
         exec_child(cwd, uid, gid, inp[0], outp[1], merge ? outp[1] : errp[1], argv, envp);
     }
@@ -1066,7 +1084,8 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
     put_u32(hdr + 4, (uint32_t)getpid());
     send_frame('P', hdr, 8);
     flush_out();
-    close(go[1]); /* the command may start now */
+    (void)!write(go[1], "g", 1); /* the command may start now */
+    close(go[1]);
 
     static unsigned char buf[PIPE_CHUNK];
     /* With a cap, the first cap - cap/2 bytes of each stream go out live and the last cap/2 at the end. */
@@ -1212,11 +1231,15 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
     }
     for (int k = 0; k < 2; k++)
         tail_send(&tails[k], k);
-    unsigned char x[24];
+    /* Decided before the exit frame, which tells the node: a command that left processes running makes
+       this handler their keeper (its pid names the exec), so it cannot serve another exec. */
+    int keep = (flags & EXEC_KEEP_CONN) && no_children();
+    unsigned char x[25];
     put_u32(x, (uint32_t)code);
     put_u32(x + 4, (uint32_t)sig);
     put_u64(x + 8, tails[0].dropped);
     put_u64(x + 16, tails[1].dropped);
+    x[24] = (unsigned char)keep;
     send_frame('X', x, sizeof(x));
     flush_out();
     for (int k = 0; k < 2; k++) /* what the leftovers write now goes nowhere, as before keepers */
@@ -1224,6 +1247,17 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
             close(fds[k]);
     if (in_fd >= 0)
         close(in_fd);
+    free(inbuf);
+    if (keep) { /* back to a clean handler: the next frame on the connection may be another exec */
+        free(argv);
+        free(envp);
+        close(sigchld_pipe[0]);
+        close(sigchld_pipe[1]);
+        sigchld_pipe[0] = sigchld_pipe[1] = -1;
+        cmd_pid = 0;
+        cmd_reaped = cmd_status = 0;
+        return 1;
+    }
     /* Stay until the node closes (it does once it has read 'X'), reading and dropping what it sends: stdin
        frames it wrote while the command was already exiting must reach a live socket, or its write fails
        (EPIPE) and it loses the exit frame already sent.  Bounded, in case the node never closes. */
@@ -1244,8 +1278,8 @@ static void do_exec(const unsigned char *pl, uint32_t plen) {
         if (n <= 0)
             break;
     }
-    free(inbuf);
     keep_leftovers();
+    return 0;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -2374,6 +2408,31 @@ static void do_forward(const unsigned char *pl, uint32_t plen) {
 }
 #include "procs.c" /* background processes and terminals: B, A, J */
 
+/* The next exec request on a kept connection (a copy of its payload), skipping what the node sent the exec
+ * that ended (stdin, a signal) after its exit frame; NULL once the node closed it or sent something else. */
+static unsigned char *next_exec(uint32_t *len) {
+    char type;
+    unsigned char *p;
+    uint32_t n;
+    for (;;) {
+        if (!read_frame(&type, &p, &n))
+            return NULL;
+        if (type == 'I' || type == 'C' || type == 'K')
+            continue;
+        if (type != 'E') {
+            send_err(EINVAL, "only exec requests follow an exec on its connection, not 0x%02x", (unsigned char)type);
+            return NULL;
+        }
+        unsigned char *req = malloc((size_t)n + 1);
+        if (req) {
+            memcpy(req, p, n);
+            req[n] = 0;
+            *len = n;
+        }
+        return req;
+    }
+}
+
 static void handle(int fd) {
     conn = fd;
     prctl(PR_SET_CHILD_SUBREAPER, 1);
@@ -2393,7 +2452,11 @@ static void handle(int fd) {
         send_hello();
         break;
     case 'E':
-        do_exec(req, n);
+        while (do_exec(req, n)) { /* one fork per exec (the command's) while the node keeps the connection */
+            free(req);
+            if (!(req = next_exec(&n)))
+                return;
+        }
         break;
     case 'G':
         do_read(req, n);

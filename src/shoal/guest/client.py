@@ -1,6 +1,8 @@
 """Asyncio client for the shoal guest agent (``agent.c``).
 
-Every operation opens its own connection to the agent's Unix socket.  Frames are
+Every operation opens its own connection to the agent's Unix socket, except the node's exec step
+(``exec_run``): its connection is kept for the next exec when the command left nothing running, so an exec
+on a kept connection costs the agent one fork (the command's) instead of an accept and two.  Frames are
 ``u32 length (type byte + payload) | u8 type | payload``, all integers big-endian.
 
 Two ways to run a command: ``exec`` (an ExecProcess on asyncio streams, read one frame at a time: shells,
@@ -57,6 +59,7 @@ _ERRNO_CLASSES: dict[int, type[OSError]] = {
 EXEC_STDIN_PIPE = 1
 EXEC_MERGE_STDERR = 2
 EXEC_BG_FOLLOW = 4  # 'B': the starter follows the process on the same connection
+EXEC_KEEP_CONN = 8  # 'E': the agent may keep the connection for the next exec (its exit frame says if it does)
 WRITE_MKDIRS = 1
 WRITE_APPEND = 2
 
@@ -346,8 +349,10 @@ class ExecRun:
 
     _RECV = 1 << 16
 
-    def __init__(self, sock: socket.socket, path: str, stream: bool) -> None:
-        self._sock, self._path = sock, path
+    def __init__(self, sock: socket.socket, path: str, stream: bool, keeper: AgentClient | None = None) -> None:
+        self._sock, self._path, self._keeper = sock, path, keeper
+        self._kept = False  # the exit frame said the agent's handler serves the next exec on this connection
+        self._sending = False  # a frame may be half written: the connection cannot carry another exec
         self._loop = asyncio.get_running_loop()
         self._buf = bytearray()
         self._started: asyncio.Future = self._loop.create_future()
@@ -362,27 +367,43 @@ class ExecRun:
         self.last_output = time.monotonic()
 
     @classmethod
-    async def start(cls, path: str, request: bytes, stream: bool) -> ExecRun:
+    async def start(cls, path: str, request: bytes, stream: bool, keeper: AgentClient | None = None) -> ExecRun:
+        """Send `request` on a kept connection of `keeper`'s if one is alive, else on a new one. A kept
+        connection that ends before the pid came is dialled again: the agent starts a command only once its
+        pid is on the way (the handler of a kept connection can be killed from inside the sandbox)."""
         loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-        run = cls(sock, path, stream)
-        try:
+        kept = keeper._take_kept() if keeper is not None else None
+        while True:
+            sock = kept or socket.socket(
+                socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
+            )
+            run = cls(sock, path, stream, keeper)
             try:
-                sock.connect(path)  # a Unix socket connects at once unless the agent's backlog is full
-            except BlockingIOError:
-                await loop.sock_connect(sock, path)
-            except (FileNotFoundError, ConnectionError) as exc:
-                raise ConnectionError(f"cannot connect to shoal agent at {path}: {exc}") from exc
-            sent = sock.send(request)
-            if sent < len(request):
-                await loop.sock_sendall(sock, memoryview(request)[sent:])
-            loop.add_reader(sock.fileno(), run._readable)
-            run._reading = True
-            await run._started
-        except BaseException:
-            run.close()
-            raise
-        return run
+                if kept is None:
+                    try:
+                        sock.connect(path)  # a Unix socket connects at once unless the agent's backlog is full
+                    except BlockingIOError:
+                        await loop.sock_connect(sock, path)
+                    except (FileNotFoundError, ConnectionError) as exc:
+                        raise ConnectionError(f"cannot connect to shoal agent at {path}: {exc}") from exc
+                run._sending = True
+                sent = sock.send(request)
+                if sent < len(request):
+                    await loop.sock_sendall(sock, memoryview(request)[sent:])
+                run._sending = False
+                loop.add_reader(sock.fileno(), run._readable)
+                run._reading = True
+                await run._started
+            except ConnectionError:
+                run.close()
+                if kept is None:
+                    raise
+                kept = None  # the kept connection was gone: dial a new one
+                continue
+            except BaseException:
+                run.close()
+                raise
+            return run
 
     def _readable(self) -> None:
         try:
@@ -419,6 +440,7 @@ class ExecRun:
                 self._wake()
         elif kind == ord("X"):
             self.exit = ExitInfo(*_EXIT.unpack_from(payload))
+            self._kept = len(payload) > _EXIT.size and payload[_EXIT.size] == 1  # older agents: never
             self._stop_reading()
             self._wake()
         elif kind == ord("P") and not self._started.done():
@@ -474,10 +496,12 @@ class ExecRun:
             return
         if self._closed:
             raise BrokenPipeError("the command's connection is closed")
+        self._sending = True
         try:
             await self._loop.sock_sendall(self._sock, frames)
         except OSError as exc:
             raise ConnectionError(f"shoal agent at {self._path} dropped the connection") from exc
+        self._sending = False
 
     async def kill(self, sig: int = 9) -> None:
         """Send ``sig`` to the command's whole process tree; no-op after exit."""
@@ -485,11 +509,15 @@ class ExecRun:
             await self.send(_frame(b"K", _U32.pack(sig)))
 
     def close(self) -> None:
-        """Close the connection; the agent kills the tree if it is still running."""
+        """Close the connection (the agent kills the tree if it is still running), or hand it back to the
+        AgentClient for its next exec if the agent kept it: the command ended, leaving nothing, and every frame
+        of this exec was read and written whole."""
         if not self._closed:
             self._closed = True
             self._stop_reading()
-            self._sock.close()
+            clean = self._kept and self.error is None and not self._buf and not self._sending
+            if not (clean and self._keeper is not None and self._keeper._keep(self._sock)):
+                self._sock.close()
 
 
 def _set_none(future: asyncio.Future) -> None:
@@ -608,10 +636,42 @@ _ATTACH = struct.Struct(">IBQQ")
 
 
 class AgentClient:
-    """Client for one agent socket."""
+    """Client for one agent socket. It holds up to KEEP idle exec connections (each an agent handler waiting
+    in the sandbox for its next exec); close() closes them."""
+
+    KEEP = 2
 
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
+        self._kept: list[socket.socket] = []
+        self._closed = False
+
+    def _take_kept(self) -> socket.socket | None:
+        """A kept connection whose handler still lives (no EOF waiting on it), or None."""
+        while self._kept:
+            sock = self._kept.pop()
+            try:
+                sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return sock  # nothing to read: the handler waits for a request
+            except OSError:
+                pass
+            sock.close()  # EOF, an error, or bytes no request asked for
+        return None
+
+    def _keep(self, sock: socket.socket) -> bool:
+        if self._closed or len(self._kept) >= self.KEEP:
+            return False
+        self._kept.append(sock)
+        return True
+
+    def close(self) -> None:
+        """Close the kept exec connections (their handlers in the sandbox exit) and keep none from now on
+        (the sandbox is going away); the client stays usable."""
+        self._closed = True
+        kept, self._kept = self._kept, []
+        for sock in kept:
+            sock.close()
 
     async def _request(self, kind: bytes, payload: bytes, conn_type: type = _Conn) -> _Conn:
         conn = await conn_type.open(self.socket_path)
@@ -715,8 +775,8 @@ class AgentClient:
     ) -> ExecRun:
         """Start ``argv`` once the agent answered with its pid; the output accumulates in the ExecRun (and
         in its `chunks` too if `stream`). The caller waits on it (ExecRun.wait) and closes it."""
-        payload = _exec_payload(argv, env, cwd, uid, gid, cap_bytes, stdin_pipe, merge_stderr)
-        return await ExecRun.start(self.socket_path, _frame(b"E", payload), stream)
+        payload = _exec_payload(argv, env, cwd, uid, gid, cap_bytes, stdin_pipe, merge_stderr, EXEC_KEEP_CONN)
+        return await ExecRun.start(self.socket_path, _frame(b"E", payload), stream, self)
 
     async def background(
         self,
