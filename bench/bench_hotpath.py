@@ -15,7 +15,8 @@ Prints, for the container kind on image busybox:
     machine), beside the raw tools' own CPU measured the same way.
 Each row sits beside the issue's target with met / not met, and beside the raw limit measured in the same run
 (indented rows): an exec straight to the sandbox's agent socket from this process (the agent's fork and exec
-and one Unix socket, no node, client or log), 16 of those loops at once, an fdatasync on the node's disk (what
+and one Unix socket, no node, client or log; on a kept connection as the node's, and on a new connection
+per exec, which adds an accept and a handler fork), 16 of those loops at once, an fdatasync on the node's disk (what
 a durable step costs at least), a node round trip that does nothing (`get`), raw `crun exec`.
 `--profile DIR` also records py-spy flame stacks of the node (create+close and exec loops) into DIR (needs
 py-spy, in the [dev] extra, and root).
@@ -119,15 +120,20 @@ def raw_row(name: str, mode: str, n: int) -> None:
         row(name, f"failed: {(exc.stderr or '').strip().splitlines()[-1:]}")
 
 
-def agent_of(sb: shoal.AsyncSandbox) -> AgentClient:
-    """The sandbox's agent socket, reached from this process as the node reaches it."""
+def agent_of(sb: shoal.AsyncSandbox, keep: bool = True) -> AgentClient:
+    """The sandbox's agent socket, reached from this process as the node reaches it: with `keep`, an exec's
+    connection is kept for the next (as the node does); without, every exec dials its own (the agent forks
+    a handler per exec, as it did before kept connections)."""
     home = Path(os.environ["SHOAL_HOME"]) / "sandboxes" / sb.id
     path = home / "agent.sock" if (home / "agent.sock").exists() else home / "agent" / "agent.sock"
-    return AgentClient(str(path))
+    agent = AgentClient(str(path))
+    if not keep:
+        agent.KEEP = 0
+    return agent
 
 
 async def raw_agent_exec(agent: AgentClient) -> float:
-    """One exec of `true` straight to the agent: connect, request, pid, exit frame."""
+    """One exec of `true` straight to the agent: (connect,) request, pid, exit frame."""
     t = time.perf_counter()
     run = await agent.exec_run(["true"], env={"PATH": "/bin:/usr/bin"})
     try:
@@ -279,8 +285,12 @@ async def execs(client: shoal.AsyncClient, n: int, pid: int, prof: Profiler) -> 
             seconds += await exec_loop(logged, n)
         with Meter(pid) as bare_meter2:
             bare += await exec_loop(unlogged, n)
-        agent = agent_of(unlogged)
-        direct = [await raw_agent_exec(agent) for _ in range(n)]
+        agent, dialled = agent_of(unlogged), agent_of(unlogged, keep=False)
+        direct, dialling = [], []
+        for _ in range(n):  # alternated
+            direct.append(await raw_agent_exec(agent))
+            dialling.append(await raw_agent_exec(dialled))
+        agent.close()
     finally:
         await logged.close()
         await unlogged.close()
@@ -295,7 +305,8 @@ async def execs(client: shoal.AsyncClient, n: int, pid: int, prof: Profiler) -> 
     added = p50 - statistics.median(bare) * 1e3
     row("trajectory log added per exec (p50)", f"{added:.2f} ms, {node - bare_node:.2f} node CPU-ms", "<= 0.3 ms",
         added <= 0.3)  # fmt: skip
-    row("  raw: exec straight to the agent's socket", lat(direct))
+    row("  raw: exec straight to the agent's socket (kept connection)", lat(direct))
+    row("  raw: same, a new connection per exec", lat(dialling))
     home = Path(os.environ["SHOAL_HOME"])
     fsyncs, fsync_cpu = raw_fsync(home, max(50, n // 2))
     row("  raw: fdatasync on the log's disk", f"{lat(fsyncs)}, {fsync_cpu:.2f} CPU-ms")
@@ -309,6 +320,7 @@ async def exec_throughput(client: shoal.AsyncClient, per: int, pid: int) -> None
     async def direct_loop(agent: AgentClient) -> None:
         for _ in range(per):
             await raw_agent_exec(agent)
+        agent.close()
 
     try:
         await asyncio.gather(*(exec_loop(s, 5) for s in sandboxes))
@@ -316,6 +328,8 @@ async def exec_throughput(client: shoal.AsyncClient, per: int, pid: int) -> None
             await asyncio.gather(*(exec_loop(s, per) for s in sandboxes))
         with Meter(pid) as raw_meter:
             await asyncio.gather(*(direct_loop(agent_of(s)) for s in sandboxes))
+        with Meter(pid) as dial_meter:
+            await asyncio.gather(*(direct_loop(agent_of(s, keep=False)) for s in sandboxes))
     finally:
         await asyncio.gather(*(s.close() for s in sandboxes))
     total = per * len(sandboxes)
@@ -324,7 +338,10 @@ async def exec_throughput(client: shoal.AsyncClient, per: int, pid: int) -> None
     row("exec throughput, 16 sandboxes", f"{rate:.0f}/s (node {node:.2f}, machine {machine:.2f} CPU-ms/op)",
         ">= 2000/s", rate >= 2000)  # fmt: skip
     raw_rate = total / raw_meter.wall
-    row("  raw: 16 loops straight to the agents", f"{raw_rate:.0f}/s (machine {raw_meter.per(total)[1]:.2f} CPU-ms/op)")
+    row("  raw: 16 loops straight to the agents (kept connections)",
+        f"{raw_rate:.0f}/s (machine {raw_meter.per(total)[1]:.2f} CPU-ms/op)")  # fmt: skip
+    row("  raw: same, a new connection per exec",
+        f"{total / dial_meter.wall:.0f}/s (machine {dial_meter.per(total)[1]:.2f} CPU-ms/op)")  # fmt: skip
 
 
 async def create_rate(client: shoal.AsyncClient, k: int, pid: int) -> tuple[float, float, float]:
