@@ -272,9 +272,10 @@ def test_user_namespace_maps_root_to_unprivileged_host_uid(tmp_path: Path) -> No
             assert sb.exec("id -u; echo data > /root/file").stdout == "0\n"
             upper = node.home / "sandboxes" / sb.id / "disk" / "upper" / "root" / "file"  # on its own disk
             assert upper.stat().st_uid == base  # on the host the file belongs to the unprivileged uid
-            # the agent and its reserve (a fork of it): both run as the unprivileged host uid
+            # the agent, its reserve and the handler kept for the node's next exec (forks of it): all run as
+            # the unprivileged host uid
             agents = [p for p in cgroups.procs(f"/{node.cgroup_parent}/{sb.id}") if _cmdline(p) == "agent"]
-            assert len(agents) == 2
+            assert len(agents) == 3
             for agent_pid in agents:
                 assert Path(f"/proc/{agent_pid}/status").read_text().count(f"\t{base}\t") >= 1
             assert sb.exec("id -u nobody").stdout == "65534\n"
