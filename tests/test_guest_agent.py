@@ -785,17 +785,19 @@ async def test_exec_run_keeps_its_connection_while_execs_leave_nothing(agent: Ag
     assert bytes(fed.stdout) == b"abc" and fed.handler_pid == first.handler_pid  # type: ignore[attr-defined]
     arg = unique_sleep_arg()
     left = await exec_done(client, ["sh", "-c", f"sleep {arg} >/dev/null 2>&1 &"])
-    assert left.handler_pid == first.handler_pid and procs_with_arg(arg)  # type: ignore[attr-defined]
+    assert left.handler_pid == first.handler_pid  # type: ignore[attr-defined]
+    assert await wait_for(lambda: procs_with_arg(arg), timeout=30)  # the shell's child may not have exec'd yet
     after = await exec_done(client, ["true"])
     assert after.handler_pid != left.handler_pid  # type: ignore[attr-defined]
     assert {p.exec_id for p in await client.processes() if p.command == f"sleep {arg}"} == {left.handler_pid}  # type: ignore[attr-defined]
     assert await client.kill_processes(left.handler_pid) == (1, 0)  # type: ignore[attr-defined]
-    assert await wait_for(lambda: left.handler_pid not in handlers(agent.proc.pid))  # type: ignore[attr-defined]
-    assert handlers(agent.proc.pid) == {after.handler_pid}  # the kept one waits for the next exec  # type: ignore[attr-defined]
+    assert await wait_for(lambda: left.handler_pid not in handlers(agent.proc.pid), timeout=30)  # type: ignore[attr-defined]
+    # the kept one waits for the next exec (the one-request handlers of the list and the kill are gone soon)
+    assert await wait_for(lambda: handlers(agent.proc.pid) == {after.handler_pid}, timeout=30)  # type: ignore[attr-defined]
     client.close()  # the node's destroy: kept connections closed, their handlers gone
-    assert await wait_for(lambda: not handlers(agent.proc.pid))
+    assert await wait_for(lambda: not handlers(agent.proc.pid), timeout=30)
     assert bytes((await exec_done(client, ["echo", "still"])).stdout) == b"still\n"  # type: ignore[attr-defined]
-    assert await wait_for(lambda: not handlers(agent.proc.pid))  # a closed client keeps no more
+    assert await wait_for(lambda: not handlers(agent.proc.pid), timeout=30)  # a closed client keeps no more
 
 
 async def test_exec_run_redials_a_kept_connection_whose_handler_died(agent: Agent) -> None:
@@ -804,7 +806,7 @@ async def test_exec_run_redials_a_kept_connection_whose_handler_died(agent: Agen
     client = agent.client
     idle = await exec_done(client, ["true"])
     os.kill(idle.handler_pid, signal.SIGKILL)  # type: ignore[attr-defined]
-    assert await wait_for(lambda: idle.handler_pid not in handlers(agent.proc.pid))  # type: ignore[attr-defined]
+    assert await wait_for(lambda: idle.handler_pid not in handlers(agent.proc.pid), timeout=30)  # type: ignore[attr-defined]
     counter = os.path.join(tempfile.mkdtemp(prefix="shoal-agent-count-"), "n")
     try:
         ran = await exec_done(client, ["sh", "-c", f"echo x >> {counter}"])
@@ -820,4 +822,4 @@ async def test_exec_run_redials_a_kept_connection_whose_handler_died(agent: Agen
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert await wait_for(lambda: not procs_with_arg(arg), timeout=30)
-    assert await wait_for(lambda: not handlers(agent.proc.pid))
+    assert await wait_for(lambda: not handlers(agent.proc.pid), timeout=30)
