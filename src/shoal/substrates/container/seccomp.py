@@ -105,7 +105,10 @@ def _action(name: str, errno_ret: int | None) -> int:
 def compile_bpf(profile: dict[str, Any]) -> bytes:
     """The BPF program libseccomp makes of an OCI seccomp `profile`, as crun builds it (the same calls in the
     same order: crun's filter and this one are byte for byte the same, tests/test_launch.py checks it)."""
-    lib = ctypes.CDLL(ctypes.util.find_library("seccomp") or "libseccomp.so.2")
+    try:  # the soname crun itself links (no `ldconfig -p` run, as find_library does)
+        lib = ctypes.CDLL("libseccomp.so.2")
+    except OSError:
+        lib = ctypes.CDLL(ctypes.util.find_library("seccomp") or "libseccomp.so")
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_init.argtypes = [ctypes.c_uint32]
     lib.seccomp_arch_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
