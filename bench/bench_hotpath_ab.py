@@ -36,13 +36,14 @@ from shoal import cgroups  # noqa: E402
 
 IMAGE = "busybox"
 TTL = 600.0
+RUN = f"shoal-bench-ab-{os.getpid()}"  # homes and cgroup parents of this run's nodes: two runs at once do not mix
 
 
 def start_node(name: str, src: str) -> str:
     """A node running the sources in `src`, with its own home and cgroup parent; its home."""
-    home = f"/tmp/shoal-bench-ab-{name}"
+    home = f"/tmp/{RUN}-{name}"
     env = dict(os.environ, PYTHONPATH=src, SHOAL_HOME=home, SHOAL_IMAGES=IMAGES,
-               SHOAL_CGROUP_PARENT=f"shoal-bench-ab-{name}")  # fmt: skip
+               SHOAL_CGROUP_PARENT=f"{RUN}-{name}")  # fmt: skip
     code = "import shoal; c = shoal.Client(); c.status(); c.close()"  # the client starts the node
     subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
     return home
@@ -66,7 +67,7 @@ def shoal_cpu_s(v: Variant) -> float:
     """The node, the runtimes it reaped and its sandboxes' cgroups (what a create costs shoal, all in)."""
     fields = Path(f"/proc/{v.pid}/stat").read_text().rsplit(")", 1)[1].split()
     own = sum(int(x) for x in fields[11:15]) * TICK_S
-    return own + (cgroups.cpu_seconds(f"shoal-bench-ab-{v.name}") or 0.0)
+    return own + (cgroups.cpu_seconds(f"{RUN}-{v.name}") or 0.0)
 
 
 def machine_cpu_s() -> float:
@@ -211,6 +212,7 @@ async def main(args: argparse.Namespace) -> None:
             await v.client.__aexit__(None, None, None)
         for home in homes.values():
             stop_node(home)
+            subprocess.run(["rm", "-rf", "--one-file-system", home], check=False)  # the node closed its sandboxes
     print(f"load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds of n={args.n}, alternated")
     for what in args.only.split(","):
         for v in variants:
