@@ -325,6 +325,13 @@ def test_a_vm_desktop_through_the_gui_alone(client: shoal.Client) -> None:
         after = vm.gui.screenshot()
         assert after.size == (1024, 768) and _png_pixels(after.png) != _png_pixels(before.png)
         assert "gui" in [step["op"] for step in vm.log()]
+        # An agent's next step comes seconds later: the idle tablet must not be suspended, or the click's pointer
+        # move reaches X after the keys typed right behind it and they go to the root window (lost).
+        vm.gui.move(700, 600)  # off the xterm: the click below must bring the focus back
+        time.sleep(4)  # the guest's USB autosuspend delay is 2 s
+        vm.gui.click(100, 100)
+        vm.gui.type("echo again > /tmp/gui-again\n")
+        _wait(lambda: vm.exec("test -f /tmp/gui-again").exit_code == 0, timeout=60, what="/tmp/gui-again")
 
 
 def test_fork_of_a_vm_desktop(client: shoal.Client) -> None:

@@ -121,6 +121,10 @@ class QemuSubstrate(Substrate):
             screen_mod.device_args(machine)  # refuses a machine without PCI
             cmdline += f" vga={screen_mod.vga_mode(*screen):#x}"  # the framebuffer console at that size
             cmdline += " vt.global_cursor_default=0"  # no blinking cursor: a still screen stays the same picture
+            # The USB tablet stays awake: QEMU's tablet offers remote wakeup, so the guest suspends it after 2 s
+            # idle and the next pointer event waits for a wakeup (hundreds of ms under TCG). Keys typed right
+            # after a click then reach X before the pointer has moved into the window that should take them.
+            cmdline += " usbcore.autosuspend=-1"
         return MachineConfig(
             machine=machine,
             accel=accel.name,
