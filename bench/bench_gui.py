@@ -113,6 +113,7 @@ async def vm_rows(client: shoal.AsyncClient, pid: int, n: int, image: str = "deb
         print(row(f"shoal vm.gui.screenshot() (QMP screendump, PNG {size >> 10} KiB)", shots, cpu))
         if image == "vm-desktop":  # the same with the xterm full of text: a bigger PNG for QEMU to compress
             await vm.gui.click(200, 100)
+            await asyncio.sleep(2)  # the first pointer event after a restore takes 0.5-1 s under TCG (docs/GUI.md)
             await vm.gui.screenshot()
             await vm.gui.type("ls -l /usr/bin /usr/lib\n")
             while await vm.gui.wait_for_change(timeout=3):  # until the listing has stopped scrolling
