@@ -223,5 +223,7 @@ def favor_dynamic_modifications(mountinfo: str = "/proc/self/mountinfo") -> str:
             linux.mount("cgroup2", target.encode().decode("unicode_escape"), "cgroup2", flags, data)
         except OSError as exc:
             return f"cgroup2 at {target} keeps its options ({exc.strerror}): each container start waits for RCU"
+        if "favordynmods" not in Path(mountinfo).read_text():  # e.g. in a cgroup namespace: accepted, ignored
+            return f"cgroup2 at {target} did not take favordynmods here: each container start waits for RCU"
         return f"cgroup2 at {target} remounted with favordynmods (faster cgroup joins)"
     return "no cgroup2 mounted here: cgroup joins keep their RCU wait"
