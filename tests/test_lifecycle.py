@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -114,6 +115,40 @@ def test_idle_timeout_kill_pause_and_keepalive(client: shoal.Client) -> None:
         assert idle_pause.refresh().state == "ready"
     finally:
         idle_pause.close()
+
+
+def _reaped_at(client: shoal.Client, sandbox_id: str, timeout: float = 60.0) -> tuple[float, str]:
+    """Poll until the sandbox is reaped: (the time the closed answer came back, its reason)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            client.get(sandbox_id)
+        except shoal.SandboxClosedError as exc:
+            return time.time(), str(exc)
+        time.sleep(0.05)
+    raise AssertionError(f"{sandbox_id} was not reaped within {timeout} s")
+
+
+def test_a_moved_deadline_reaps_at_the_new_one(client: shoal.Client) -> None:
+    """The reaper sleeps until the next deadline: one moved earlier (keepalive with a shorter ttl_s) wakes it
+    sooner, one moved later is not reaped at the old one. (Reaped means closed before the poll that saw it
+    answered; the node and this test read the same clock, so a closed answer before the new deadline would
+    prove a reap at the old one, whatever the load.)"""
+    later = client.create(image="busybox", pool=False, ttl_s=3.0)
+    earlier = client.create(image="busybox", pool=False, ttl_s=3600.0)
+    try:
+        later.keepalive(ttl_s=6.0)
+        earlier.keepalive(ttl_s=1.0)
+        moved_out, moved_in = later.info.expires_at, earlier.info.expires_at
+        assert moved_out is not None and moved_in is not None
+        seen, reason = _reaped_at(client, later.id)
+        assert seen >= moved_out and "ttl" in reason, (seen, moved_out, reason)
+        seen, reason = _reaped_at(client, earlier.id)
+        assert seen >= moved_in and "ttl" in reason, (seen, moved_in, reason)
+    finally:
+        for sb in (later, earlier):
+            with contextlib.suppress(shoal.SandboxClosedError):
+                sb.close()
 
 
 def test_bad_lifetimes_are_refused(client: shoal.Client) -> None:

@@ -232,6 +232,7 @@ class NodeService:
                 else:
                     sandbox.next_seq = self.trajectory.next_seq(sandbox.id)
                     self.sandboxes[sandbox.id] = sandbox
+                    self.lifecycle.arm(sandbox)  # its recorded ttl (an idle timer restarts with this node)
                     self.adopted.append(sandbox.id)
                     continue
                 await self._substrate_of(directory).destroy_orphan(directory)
@@ -344,6 +345,7 @@ class NodeService:
             )
             raise
         self.sandboxes[sandbox.id] = sandbox  # no await since the log row: a cancel cannot orphan it
+        self.lifecycle.arm(sandbox)
         return sandbox.info()
 
     def persist(self, sandbox: Sandbox) -> None:
@@ -633,6 +635,7 @@ class NodeService:
             await asyncio.shield(self.destroy_sandbox(sandbox))
             raise
         self.sandboxes[sandbox.id] = sandbox
+        self.lifecycle.arm(sandbox)
         return sandbox
 
     async def exec_in(self, sandbox: Sandbox, argv: list[str], timeout: float | None) -> ExecResult:
@@ -711,6 +714,7 @@ class NodeService:
             sandbox.expires_at = time.time() + ttl
         sandbox.last_active = time.time()
         self.persist(sandbox)
+        self.lifecycle.arm(sandbox)  # a shorter ttl_s moves its deadline earlier
         return sandbox.info()
 
     # ---------------------------------------------------------------- pause / resume
