@@ -295,3 +295,30 @@ async def test_a_running_steps_intent_is_one_write_that_outlives_the_node(tmp_pa
         assert log.get("s", 61).result == {"n": 61} and log.next_seq("s") == 62  # superseded, not resurrected
     finally:
         log.close()
+
+
+async def test_a_reader_left_open_does_not_hold_up_the_steps(tmp_path: Path) -> None:
+    """A read transaction left open on the file (a `sqlite3` shell) keeps the RESTART checkpoint from
+    finishing: it gives up (busy_timeout 100 ms) and the steps go on, the WAL growing until the reader ends;
+    then the next checkpoint starts it over."""
+    from shoal.node.trajectory import CHECKPOINT_WRITES
+
+    log = TrajectoryLog(tmp_path / "trajectory.db", reserve_bytes=0)
+    reader = sqlite3.connect(tmp_path / "trajectory.db", isolation_level=None)
+    try:
+        await log.append("a", 0, "exec", "k", {}, {}, None, 0.0)
+        reader.execute("BEGIN")
+        reader.execute("SELECT COUNT(*) FROM steps").fetchone()  # holds its snapshot of the WAL
+        for seq in range(1, 2 * CHECKPOINT_WRITES + 10):
+            await log.append("a", seq, "exec", "k", {}, {}, None, 0.0)
+        assert log.checkpoints == 0  # every RESTART gave up
+        reader.execute("COMMIT")
+        loop = asyncio.get_running_loop()
+        deadline, seq = loop.time() + 120, 2 * CHECKPOINT_WRITES + 10
+        while log.checkpoints < 1 and loop.time() < deadline:
+            await log.append("a", seq, "exec", "k", {}, {}, None, 0.0)
+            seq += 1
+        assert log.checkpoints >= 1 and log.next_seq("a") == seq
+    finally:
+        reader.close()
+        log.close()

@@ -289,6 +289,9 @@ class TrajectoryLog:
 
     def _sync_forever(self) -> None:
         checkpointer = self._connect()
+        # the RESTART checkpoint waits this long at most for readers (a `sqlite3` shell left open on the file)
+        # while it holds the write lock the loop's steps wait for; then it gives up until the next one
+        checkpointer.execute("PRAGMA busy_timeout=100")
         checkpointed = 0
         while True:
             item = self._sync_queue.get()
