@@ -305,7 +305,7 @@ async def execs(client: shoal.AsyncClient, n: int, pid: int, prof: Profiler) -> 
     added = p50 - statistics.median(bare) * 1e3
     row("trajectory log added per exec (p50)", f"{added:.2f} ms, {node - bare_node:.2f} node CPU-ms", "<= 0.3 ms",
         added <= 0.3)  # fmt: skip
-    row("  raw: exec straight to the agent's socket (kept connection)", lat(direct))
+    row("  raw: exec to the agent, kept connection", lat(direct))
     row("  raw: same, a new connection per exec", lat(dialling))
     home = Path(os.environ["SHOAL_HOME"])
     fsyncs, fsync_cpu = raw_fsync(home, max(50, n // 2))
@@ -338,7 +338,7 @@ async def exec_throughput(client: shoal.AsyncClient, per: int, pid: int) -> None
     row("exec throughput, 16 sandboxes", f"{rate:.0f}/s (node {node:.2f}, machine {machine:.2f} CPU-ms/op)",
         ">= 2000/s", rate >= 2000)  # fmt: skip
     raw_rate = total / raw_meter.wall
-    row("  raw: 16 loops straight to the agents (kept connections)",
+    row("  raw: 16 loops to the agents, kept conns",
         f"{raw_rate:.0f}/s (machine {raw_meter.per(total)[1]:.2f} CPU-ms/op)")  # fmt: skip
     row("  raw: same, a new connection per exec",
         f"{total / dial_meter.wall:.0f}/s (machine {dial_meter.per(total)[1]:.2f} CPU-ms/op)")  # fmt: skip
