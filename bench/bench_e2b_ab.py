@@ -6,7 +6,8 @@ meet the same load.
 
 BEFORE_SRC / AFTER_SRC are `src` directories of two checkouts (`git archive <commit> src | tar -x -C /tmp/b`;
 AFTER_SRC defaults to this tree's). Per node, per round: the E2B SDK's `commands.run("true")` through the API
-in that node, and shoal's native streamed exec of the same argv (what the layer's cost is measured against).
+in that node, and shoal's native streamed exec of the same argv (what the layer's cost is measured against),
+`n` times each, the four rows taking turns op by op.
 Prints p50/p99 and node CPU-ms per op (utime+stime of the node process from /proc) per variant, and the
 layer's cost (E2B row minus native row) per variant with the 2 ms target.
 """
@@ -73,13 +74,16 @@ def main() -> None:
         for key, fn in rows.items():
             fn("true") if "e2b" in key else fn()  # warm up
         for r in range(args.rounds):
-            for key, fn in rows.items():
-                c0 = cpu_seconds(pids[key])
-                for _ in range(args.n):
+            used = dict.fromkeys(rows, 0.0)
+            for _ in range(args.n):  # op by op, row after row: a burst of load falls on every row alike
+                for key, fn in rows.items():
+                    c0 = cpu_seconds(pids[key])
                     t = time.perf_counter()
                     fn("true") if "e2b" in key else fn()
                     times[key].append(time.perf_counter() - t)
-                cpu[key].append((cpu_seconds(pids[key]) - c0) / args.n * 1e3)
+                    used[key] += cpu_seconds(pids[key]) - c0
+            for key in rows:
+                cpu[key].append(used[key] / args.n * 1e3)
             print(f"round {r + 1}/{args.rounds}: load {os.getloadavg()[0]:.1f}", flush=True)
         p50 = {}
         for key in rows:
