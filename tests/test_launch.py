@@ -61,26 +61,35 @@ def _cgroup2_options() -> tuple[str, list[str], set[str]] | None:
     return None
 
 
-def test_favordynmods_is_set_and_every_other_cgroup2_option_kept() -> None:
+def test_favordynmods_is_set_then_cleared_and_every_other_cgroup2_option_kept() -> None:
     before = _cgroup2_options()
     if before is None:
         pytest.skip("this host mounts no cgroup2 (pure cgroup v1): nothing to tune")
-    said = cgroups.favor_dynamic_modifications()
-    after = _cgroup2_options()
-    assert after is not None and after[0] == before[0]
-    assert after[1] == before[1], said  # nosuid, nodev, noexec, relatime... as they were
-    assert after[2] - {"favordynmods"} == before[2] - {"favordynmods"}, said  # nsdelegate etc. kept
-    if "favordynmods" not in after[2]:  # kernels before 6.0, or a host whose cgroup core this one cannot tune
-        assert "favordynmods" not in said or "did not take" in said, said
-        pytest.skip(f"this kernel ({platform.release()}) or host does not take favordynmods: {said}")
-    assert "already" in cgroups.favor_dynamic_modifications()  # a second node leaves it alone
-    assert _cgroup2_options() == after
+    was_on = "favordynmods" in before[2]
+    try:
+        said = cgroups.favor_dynamic_modifications(True)
+        after = _cgroup2_options()
+        assert after is not None and after[0] == before[0]
+        assert after[1] == before[1], said  # nosuid, nodev, noexec, relatime... as they were
+        assert after[2] - {"favordynmods"} == before[2] - {"favordynmods"}, said  # nsdelegate etc. kept
+        if "favordynmods" not in after[2]:  # kernels before 6.0, or a host whose cgroup core this one cannot tune
+            assert "remounted" not in said, said
+            pytest.skip(f"this kernel ({platform.release()}) or host does not take favordynmods: {said}")
+        assert "already" in cgroups.favor_dynamic_modifications(True)  # a second node leaves it alone
+        assert _cgroup2_options() == after
+        said = cgroups.favor_dynamic_modifications(False)
+        cleared = _cgroup2_options()
+        assert cleared is not None and "favordynmods" not in cleared[2], said
+        assert cleared[1] == before[1] and cleared[2] - {"favordynmods"} == before[2] - {"favordynmods"}
+    finally:  # the host as the test found it
+        cgroups.favor_dynamic_modifications(was_on)
+    assert _cgroup2_options() == before
 
 
 def test_favordynmods_without_cgroup2_changes_nothing(tmp_path: Path) -> None:
     mountinfo = tmp_path / "mountinfo"
     mountinfo.write_text("22 1 0:21 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory\n")
-    assert "no cgroup2" in cgroups.favor_dynamic_modifications(str(mountinfo))
+    assert "no cgroup2" in cgroups.favor_dynamic_modifications(True, str(mountinfo))
 
 
 # Runs crun on a bundle whose filter crun compiles itself from the profile (no annotation): prints the

@@ -195,13 +195,15 @@ _MOUNT_FLAGS = {"ro": 0x1, "nosuid": 0x2, "nodev": 0x4, "noexec": 0x8, "noatime"
 _MS_REMOUNT = 0x20
 
 
-def favor_dynamic_modifications(mountinfo: str = "/proc/self/mountinfo") -> str:
-    """Set cgroup2's `favordynmods` on this host, keeping every other option; what happened, for the log.
+def favor_dynamic_modifications(on: bool = True, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """Set (or clear) cgroup2's `favordynmods` on this host, keeping every other option; what happened.
 
-    Why: moving a process into a cgroup takes the kernel's cgroup_threadgroup_rwsem for writing, and
-    without this flag that waits for an RCU grace period: ~10-15 ms of every container start here (the
-    runtime's first write to cgroup.procs), idle time no CPU can make up. The flag makes that lock a
-    plain rwsem (fork and exit take it for reading, a few atomics more). It is one flag of the kernel's
+    Why: moving a process into a cgroup takes the kernel's cgroup_threadgroup_rwsem for writing, which
+    without this flag may wait for an RCU grace period (once a grace period has passed since the last
+    join: a node starting sandboxes now and then). One `crun run -d` traced here waited 14 ms in its first
+    cgroup.procs write; with other containers starting all the time the wait mostly vanishes, and
+    alternated runs at load 4-11 showed no steady gain, hence opt-in (SHOAL_CGROUP_FAVOR_DYNMODS=1). The
+    flag makes the lock a plain rwsem that fork and exit take for reading. It is one flag of the kernel's
     cgroup core, shared by every hierarchy (v1's too), so remounting the cgroup2 mount is enough on a
     hybrid host. Kernels before 6.0 do not know it: nothing changes then.
     """
@@ -213,17 +215,18 @@ def favor_dynamic_modifications(mountinfo: str = "/proc/self/mountinfo") -> str:
         if len(fields) < 6 or len(tail) < 3 or tail[0] != "cgroup2":
             continue
         target, mount_opts, super_opts = fields[4], fields[5].split(","), tail[2].split(",")
-        if "favordynmods" in super_opts:
-            return f"cgroup2 at {target} already favors dynamic modifications"
+        if ("favordynmods" in super_opts) == on:
+            return f"cgroup2 at {target} already has favordynmods {'on' if on else 'off'}"
         flags = _MS_REMOUNT
         for opt in mount_opts:
             flags |= _MOUNT_FLAGS.get(opt, 0)
-        data = ",".join([o for o in super_opts if o not in ("rw", "ro")] + ["favordynmods"])
+        kept = [o for o in super_opts if o not in ("rw", "ro", "favordynmods")]
+        data = ",".join(kept + ["favordynmods"] if on else kept)
         try:
             linux.mount("cgroup2", target.encode().decode("unicode_escape"), "cgroup2", flags, data)
         except OSError as exc:
-            return f"cgroup2 at {target} keeps its options ({exc.strerror}): each container start waits for RCU"
-        if "favordynmods" not in Path(mountinfo).read_text():  # e.g. in a cgroup namespace: accepted, ignored
-            return f"cgroup2 at {target} did not take favordynmods here: each container start waits for RCU"
-        return f"cgroup2 at {target} remounted with favordynmods (faster cgroup joins)"
-    return "no cgroup2 mounted here: cgroup joins keep their RCU wait"
+            return f"cgroup2 at {target} keeps its options ({exc.strerror})"
+        if ("favordynmods" in Path(mountinfo).read_text()) != on:  # e.g. in a cgroup namespace: accepted, ignored
+            return f"cgroup2 at {target} did not take the change here"
+        return f"cgroup2 at {target} remounted with favordynmods {'on' if on else 'off'}"
+    return "no cgroup2 mounted here"

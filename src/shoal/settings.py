@@ -168,9 +168,9 @@ SEALED_RUNTIME: Setting[bool] = _declare(
     "Run crun/runc from one sealed in-memory copy per node (they skip re-executing themselves per create); 0: off.",
 )  # fmt: skip
 CGROUP_FAVOR_DYNMODS: Setting[bool] = _declare(
-    "SHOAL_CGROUP_FAVOR_DYNMODS", bool, True, SANDBOX_KINDS,
-    "Remount the host's cgroup2 with `favordynmods` at node start (a container's cgroup join then waits for no "
-    "RCU grace period, ~10 ms per create); 0: leave the host's cgroup mount as it is.",
+    "SHOAL_CGROUP_FAVOR_DYNMODS", bool, False, SANDBOX_KINDS,
+    "1: remount the host's cgroup2 with `favordynmods` at node start (a cgroup join then never waits for an RCU "
+    "grace period, up to ~14 ms of a create on an otherwise idle host; a host-wide change, so opt-in).",
 )  # fmt: skip
 RUNSC_PLATFORM: Setting[str] = _declare(
     "SHOAL_RUNSC_PLATFORM", str, None, SANDBOX_KINDS,
