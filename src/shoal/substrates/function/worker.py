@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import _signal
 import _socket
+import ast
 import binascii
 import errno
 import gc
@@ -46,9 +47,10 @@ _LEN = struct.Struct(">I")
 # `signal.signal` wrapper converts to and from enums, which cost the child ~30 page faults per call here
 DEFAULT_SIGNALS = (_signal.SIGPIPE, _signal.SIGXFSZ)
 SIGKILL = _signal.SIGKILL
-# The worker imports only what it needs at every call (not ast, shutil, socket, signal, base64): each call
-# forks it, and fork and exit cost CPU per resident page (~0.09 ms per MB here, both sides), so the ~1.5 MB
-# those modules held cost every call ~0.2 ms. What a rare path needs it imports there.
+# The worker imports little beyond what calls use (not shutil, socket, signal, base64): each call forks it,
+# and fork and exit cost CPU per resident page (~0.09 ms per MB here, both sides), so the ~0.9 MB those
+# modules held cost every call ~0.1 ms. `ast` stays: a cell whose last line is no expression needs it, and
+# importing it in that call's child would cost the child more than its pages cost every call.
 
 
 class HeadTail:
@@ -729,17 +731,16 @@ def run_cell(source: str, namespace: dict):  # noqa: ANN201
         return lambda: None
     try:
         tail = compile("\n" * last + "".join(lines[last:]), "<source>", "eval")
-        head = compile("".join(lines[:last]), "<source>", "exec")
+        head = compile("".join(lines[:last]), "<source>", "exec") if last else None  # a one-line cell: none
     except SyntaxError:
         return run_cell_ast(source, namespace)
-    exec(head, namespace)
+    if head is not None:
+        exec(head, namespace)
     value = eval(tail, namespace)
     return lambda: value
 
 
 def run_cell_ast(source: str, namespace: dict):  # noqa: ANN201
-    import ast  # only here, in the call's child: the worker does not hold it (see SIGKILL above)
-
     tree = ast.parse(source, "<source>")
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     exec(compile(tree, "<source>", "exec"), namespace)
