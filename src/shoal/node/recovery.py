@@ -54,15 +54,23 @@ def write_record(sandbox: Sandbox) -> None:
 
     No fsync (it blocked the event loop on every create and claim): the record serves re-adoption after the
     node *process* dies, and the page cache outlives a process. After a machine crash there is nothing to
-    re-adopt (the sandboxes died with it), and a torn or empty record is cleaned up as an orphan."""
+    re-adopt (the sandboxes died with it), and a torn or empty record is cleaned up as an orphan.
+
+    The substrate's part is read once per sandbox (substrates write it only when they create) and kept on
+    the sandbox, so a create, pause or keepalive costs one write and a rename, not a read and a parse too."""
     path = sandbox.instance.directory / "record.json"
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        record = {"id": sandbox.id, "kind": sandbox.spec.kind, "cgroup": sandbox.instance.cgroup_path}
+    base = sandbox.record_base
+    if base is None:
+        try:
+            base = json.loads(path.read_text())
+        except (OSError, ValueError):
+            base = {"id": sandbox.id, "kind": sandbox.spec.kind, "cgroup": sandbox.instance.cgroup_path}
+        base.pop("node", None)
+        sandbox.record_base = base
     spec = msgspec.structs.replace(sandbox.spec, files={})  # files were written into the sandbox already
+    record = dict(base)
     record["node"] = {
-        "spec": msgspec.to_builtins(spec),
+        "spec": spec,
         "image": sandbox.image.name,
         "uid": sandbox.uid,
         "gid": sandbox.gid,
@@ -80,7 +88,7 @@ def write_record(sandbox: Sandbox) -> None:
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-        os.write(fd, json.dumps(record).encode())
+        os.write(fd, msgspec.json.encode(record))
     finally:
         os.close(fd)
     os.replace(tmp, path)

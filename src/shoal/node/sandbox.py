@@ -43,6 +43,7 @@ class Sandbox:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # serialises pause, resume and snapshot
     screen: Any = None  # node.gui.Screen: its display's helper, when it has a screen
     execs: dict[int, str] = field(default_factory=dict)  # recent execs' commands by exec ID (processes())
+    record_base: dict[str, Any] | None = None  # the substrate's part of record.json (recovery.write_record)
 
     def remember_exec(self, exec_id: int | None, command: str) -> None:
         if exec_id is not None:
