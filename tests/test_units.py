@@ -318,3 +318,42 @@ async def test_a_pool_member_made_across_a_resize_to_zero_and_back_is_kept_not_o
     await pools.wait_full(spec, timeout=10)
     assert pools.take(spec) is made[0] and destroyed == []
     await pools.drain()
+
+
+async def test_reaper_heap_wakes_for_due_deadlines_only_and_compacts() -> None:
+    """The reaper's deadline heap (node/lifecycle.py): only due sandboxes are looked at, a deadline moved later
+    is re-armed rather than acted on, and closed sandboxes' far entries do not pile up."""
+    import time
+    import types
+
+    from shoal.node.lifecycle import Lifecycle
+    from shoal.node.sandbox import State
+
+    killed: list[str] = []
+
+    class Host:
+        sandboxes: dict = {}
+
+        async def kill(self, sandbox_id: str, reason: str = "") -> None:
+            killed.append(sandbox_id)
+            self.sandboxes.pop(sandbox_id, None)
+
+    def fake(i: str, expires_at: float | None) -> types.SimpleNamespace:
+        spec = types.SimpleNamespace(idle_timeout_s=None, ttl_s=60.0, on_timeout="kill")
+        return types.SimpleNamespace(id=i, spec=spec, expires_at=expires_at, state=State.READY, busy=0, inflight={},
+                                     last_active=time.time())  # fmt: skip
+
+    host = Host()
+    reaper = Lifecycle(host)  # type: ignore[arg-type]
+    now = time.time()
+    far = {f"far-{n}": fake(f"far-{n}", now + 3600) for n in range(3000)}
+    host.sandboxes.update(far, due=fake("due", now - 1), moved=fake("moved", now - 1))
+    for sandbox in host.sandboxes.values():
+        reaper.arm(sandbox)
+    host.sandboxes["moved"].expires_at = now + 3600  # moved later after it was armed: not reaped
+    await reaper.reap_due()
+    assert killed == ["due"] and "moved" in host.sandboxes and reaper.deadline("moved") == now + 3600
+    for name in far:
+        host.sandboxes.pop(name)
+        reaper.forget(name)
+    assert reaper.heap_size <= 2 + 1024  # compacted: the 3,000 closed sandboxes' entries do not stay

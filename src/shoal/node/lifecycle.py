@@ -96,6 +96,18 @@ class Lifecycle:
     def forget(self, sandbox_id: str) -> None:
         self._locks.pop(sandbox_id, None)
         self._armed.pop(sandbox_id, None)  # its heap entry is skipped when it comes up
+        if len(self._deadlines) > 2 * len(self._armed) + 1024:  # closed sandboxes' entries far in the future
+            self._deadlines = [(when, i) for i, when in self._armed.items()]
+            heapq.heapify(self._deadlines)
+
+    def deadline(self, sandbox_id: str) -> float | None:
+        """When the reaper next looks at `sandbox_id` (None: never, until something arms it)."""
+        return self._armed.get(sandbox_id)
+
+    @property
+    def heap_size(self) -> int:
+        """Entries in the reaper's heap, stale ones included (a figure for tests and metrics)."""
+        return len(self._deadlines)
 
     def next_check(self, sandbox: Sandbox, now: float) -> float | None:
         """The earliest moment `sandbox`'s lifetime may run out, as far as is known now (None: never)."""
@@ -188,9 +200,8 @@ class Lifecycle:
     async def reap_due(self) -> None:
         """Act on the heap's entries that are due; re-arm the sandboxes whose deadline moved on."""
         now = time.time()
-        heap = self._deadlines
-        while heap and heap[0][0] <= now:
-            when, sandbox_id = heapq.heappop(heap)
+        while self._deadlines and self._deadlines[0][0] <= now:  # (forget may rebuild the list meanwhile)
+            when, sandbox_id = heapq.heappop(self._deadlines)
             if self._armed.get(sandbox_id) != when:
                 continue  # superseded by an earlier entry, or the sandbox is gone
             del self._armed[sandbox_id]
