@@ -574,6 +574,44 @@ def test_batched_map_items_are_isolated_in_order_with_errors_in_place(client: sh
         list(client.map(lambda x: x, range(3), batch=0))
 
 
+def test_call_children_are_ordinary_processes(client: shoal.Client) -> None:
+    """In calls and batched map items (cloudpickle workers load threading and logging, which register
+    at-fork handlers): threads, fork, subprocesses work, and no two calls share random state."""
+
+    def _threads_forks_and_randomness(x: int) -> list:
+        """Runs in a call's child (nested, so cloudpickled by value). The worker may fork calls without
+        CPython's at-fork handlers: the child must still start threads, fork, run programs and draw its
+        own random numbers."""
+        import os
+        import random
+        import subprocess
+        import threading
+
+        seen = []
+        worker = threading.Thread(target=seen.append, args=(threading.get_ident(),))
+        worker.start()
+        worker.join()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, b"forked")
+            os._exit(7)
+        os.close(write)
+        forked = os.read(read, 16).decode()
+        _, status = os.waitpid(pid, 0)
+        echoed = subprocess.run(["echo", str(x)], capture_output=True, text=True, check=True).stdout.strip()
+        return [x, len(seen), forked, os.waitstatus_to_exitcode(status), echoed, os.getpid(), random.random(),
+                os.urandom(8).hex()]  # fmt: skip
+
+    rows = list(client.map(_threads_forks_and_randomness, range(12), batch=6, concurrency=2))
+    rows.append(client.call(_threads_forks_and_randomness, 12))
+    for x, row in enumerate(rows):
+        assert row[:5] == [x, 1, "forked", 7, str(x)], row
+    assert all(row[5] > 1 for row in rows)  # a process of its own (workers are containers: pids repeat)
+    assert len({row[6] for row in rows}) == len(rows)  # random is not the worker's state replayed
+    assert len({row[7] for row in rows}) == len(rows)
+
+
 def test_batch_limits_are_per_item(client: shoal.Client) -> None:
     """Each item of a batch gets its own timeout and memory limit; one item's timeout or OOM kill is that
     item's error and the items after it in the batch run normally."""
