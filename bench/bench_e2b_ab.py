@@ -84,7 +84,17 @@ def main() -> None:
                     used[key] += cpu_seconds(pids[key]) - c0
             for key in rows:
                 cpu[key].append(used[key] / args.n * 1e3)
-            print(f"round {r + 1}/{args.rounds}: load {os.getloadavg()[0]:.1f}", flush=True)
+            layer = []  # this round's layer cost per variant: the quiet rounds of a noisy run show here
+            for name in clusters:
+                e2b, native = (
+                    times[f"{name:<6} e2b commands.run('true')"],
+                    times[f"{name:<6} native exec(bash -l -c true, streamed)"],
+                )
+                extra = statistics.median(e2b[-args.n :]) - statistics.median(native[-args.n :])
+                layer.append(f"{name} {extra * 1e3:+.2f} ms")
+            print(
+                f"round {r + 1}/{args.rounds}: load {os.getloadavg()[0]:.1f}; layer p50 {', '.join(layer)}", flush=True
+            )
         p50 = {}
         for key in rows:
             p50[key] = statistics.median(times[key]) * 1e3
