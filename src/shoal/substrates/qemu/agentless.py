@@ -296,6 +296,9 @@ class NoAgent:
     async def open_port(self, port: int) -> Stream:
         return await self._open_port(port)
 
+    def close(self) -> None:
+        """Nothing to let go: no agent connections are kept (the node calls this on every destroy)."""
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
