@@ -30,7 +30,7 @@ _IDLE = object()
 async def _next(queue: asyncio.Queue[Any], idle: float | None) -> Any:
     """The queue's next item; _IDLE if `idle` seconds pass without one."""
     if idle is None or not queue.empty():
-        return queue.get_nowait() if not queue.empty() else await queue.get()
+        return await queue.get()  # (a queue with an item answers without suspending)
     try:
         async with asyncio.timeout(idle):
             return await queue.get()
@@ -68,6 +68,21 @@ class AsyncProcess:
             self.pid = answer["pid"]
         return answer
 
+    def _read_answer(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """A proc_read answer: the process's state, and the handle's offsets move to where it stopped."""
+        self._update(answer)
+        self.stdout_offset, self.stderr_offset = answer["stdout_offset"], answer["stderr_offset"]
+        return answer
+
+    def _chunk(self, item: Any) -> OutputChunk:
+        """A streamed output event; the handle's offset of its stream moves past it."""
+        chunk = protocol.convert(item, OutputChunk)
+        if chunk.stream == "stdout":
+            self.stdout_offset += len(chunk.data)
+        else:
+            self.stderr_offset += len(chunk.data)
+        return chunk
+
     async def read(self, *, stdout_offset: int | None = None, stderr_offset: int | None = None) -> tuple[bytes, bytes]:
         """The output since this handle's offsets (or the ones given) up to now, as (stdout, stderr); the
         handle's offsets move past it. Does not wait."""
@@ -80,9 +95,7 @@ class AsyncProcess:
             stderr_offset=self.stderr_offset if err is None else err,
             **options,
         )
-        answer = self._update(await self.sandbox.client.call("proc_read", args))
-        self.stdout_offset, self.stderr_offset = answer["stdout_offset"], answer["stderr_offset"]
-        return answer
+        return self._read_answer(await self.sandbox.client.call("proc_read", args))
 
     async def stream(self, *, timeout: float | None = None, idle: float | None = None) -> AsyncIterator[OutputChunk]:
         """Output as it is printed, from this handle's offsets, until the process ends (or `timeout` passes);
@@ -99,14 +112,8 @@ class AsyncProcess:
                 if item is _IDLE:
                     yield None  # type: ignore[misc]
                     continue
-                chunk = protocol.convert(item, OutputChunk)
-                if chunk.stream == "stdout":
-                    self.stdout_offset += len(chunk.data)
-                else:
-                    self.stderr_offset += len(chunk.data)
-                yield chunk
-            answer = self._update(task.result())
-            self.stdout_offset, self.stderr_offset = answer["stdout_offset"], answer["stderr_offset"]
+                yield self._chunk(item)
+            self._read_answer(task.result())
         finally:
             if not task.done():
                 task.cancel()
@@ -188,12 +195,7 @@ async def start_streaming(
                 proc = AsyncProcess(sandbox, item)
                 yield proc
                 continue
-            chunk = protocol.convert(item, OutputChunk)
-            if chunk.stream == "stdout":
-                proc.stdout_offset += len(chunk.data)
-            else:
-                proc.stderr_offset += len(chunk.data)
-            yield chunk
+            yield proc._chunk(item)
         answer = task.result()
         if proc is None:  # fast-forwarded from the trajectory log: its answer is the logged start; follow it now
             proc = AsyncProcess(sandbox, answer)
@@ -201,8 +203,7 @@ async def start_streaming(
             async for chunk in proc.stream(timeout=timeout, idle=idle):
                 yield chunk
             return
-        proc._update(answer)
-        proc.stdout_offset, proc.stderr_offset = answer["stdout_offset"], answer["stderr_offset"]
+        proc._read_answer(answer)
     finally:
         if not task.done():
             task.cancel()

@@ -186,6 +186,33 @@ class _Conn:
             await self.writer.wait_closed()
 
 
+async def _dial(path: str) -> socket.socket:
+    """A non-blocking socket connected to the agent at `path` (ConnectionError naming it if it is not there)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    try:
+        try:
+            sock.connect(path)  # a Unix socket connects at once unless the agent's backlog is full
+        except BlockingIOError:
+            await asyncio.get_running_loop().sock_connect(sock, path)
+    except (FileNotFoundError, ConnectionError) as exc:
+        sock.close()
+        raise ConnectionError(f"cannot connect to shoal agent at {path}: {exc}") from exc
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _send_now(loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes | memoryview) -> None:
+    """Send `data` on a non-blocking socket: straight away, the loop finishing what did not fit."""
+    try:
+        sent = sock.send(data)
+    except BlockingIOError:
+        sent = 0
+    if sent < len(data):
+        await loop.sock_sendall(sock, memoryview(data)[sent:])
+
+
 class _SockConn:
     """One short request-and-answer connection to the agent (background start, attach, the one-answer
     requests) on a plain non-blocking socket read with the loop's sock_recv: what _Conn does without a
@@ -203,29 +230,11 @@ class _SockConn:
 
     @classmethod
     async def open(cls, path: str) -> _SockConn:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-        conn = cls(path, sock)
-        try:
-            try:
-                sock.connect(path)  # a Unix socket connects at once unless the agent's backlog is full
-            except BlockingIOError:
-                await conn.loop.sock_connect(sock, path)
-        except (FileNotFoundError, ConnectionError) as exc:
-            sock.close()
-            raise ConnectionError(f"cannot connect to shoal agent at {path}: {exc}") from exc
-        except BaseException:
-            sock.close()
-            raise
-        return conn
+        return cls(path, await _dial(path))
 
     async def send(self, data: bytes | memoryview) -> None:
         try:
-            try:
-                sent = self.sock.send(data)
-            except BlockingIOError:
-                sent = 0
-            if sent < len(data):
-                await self.loop.sock_sendall(self.sock, memoryview(data)[sent:])
+            await _send_now(self.loop, self.sock, data)
         except OSError as exc:
             raise ConnectionError(f"shoal agent at {self.path} dropped the connection") from exc
 
@@ -374,22 +383,11 @@ class ExecRun:
         loop = asyncio.get_running_loop()
         kept = keeper._take_kept() if keeper is not None else None
         while True:
-            sock = kept or socket.socket(
-                socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC
-            )
+            sock = kept or await _dial(path)
             run = cls(sock, path, stream, keeper)
             try:
-                if kept is None:
-                    try:
-                        sock.connect(path)  # a Unix socket connects at once unless the agent's backlog is full
-                    except BlockingIOError:
-                        await loop.sock_connect(sock, path)
-                    except (FileNotFoundError, ConnectionError) as exc:
-                        raise ConnectionError(f"cannot connect to shoal agent at {path}: {exc}") from exc
                 run._sending = True
-                sent = sock.send(request)
-                if sent < len(request):
-                    await loop.sock_sendall(sock, memoryview(request)[sent:])
+                await _send_now(loop, sock, request)
                 run._sending = False
                 loop.add_reader(sock.fileno(), run._readable)
                 run._reading = True

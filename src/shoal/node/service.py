@@ -615,9 +615,7 @@ class NodeService:
         return task
 
     async def _destroy_now(self, sandbox: Sandbox) -> None:
-        close_kept = getattr(sandbox.agent, "close", None)  # the exec connections the agent client keeps
-        if close_kept is not None:
-            close_kept()
+        sandbox.agent.close()  # the exec connections the agent client keeps
         try:
             if sandbox.screen is not None:
                 await sandbox.screen.close()
