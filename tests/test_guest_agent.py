@@ -147,6 +147,22 @@ async def test_exec_reports_pid(agent: Agent) -> None:
     assert info.exit_code == 0
 
 
+async def test_commands_start_with_default_signal_dispositions(agent: Agent) -> None:
+    """The agent ignores SIGPIPE and catches SIGCHLD (and, outside a PID namespace, SIGTERM and SIGINT); a
+    command, started by a child sharing its handler's memory, inherits none of that: nothing ignored, caught
+    or blocked, on a new connection and on a kept one alike."""
+
+    def masks(out: bytes) -> dict[str, int]:
+        fields = dict(line.split(":\t", 1) for line in out.decode().splitlines() if ":\t" in line)
+        return {k: int(fields[k], 16) for k in ("SigBlk", "SigIgn", "SigCgt")}
+
+    out, _, info = await run(agent.client, ["cat", "/proc/self/status"])
+    assert info.exit_code == 0 and masks(out) == {"SigBlk": 0, "SigIgn": 0, "SigCgt": 0}
+    for _ in range(3):  # the kept connection's handler starts these
+        done = await exec_done(agent.client, ["cat", "/proc/self/status"])
+        assert masks(bytes(done.stdout)) == {"SigBlk": 0, "SigIgn": 0, "SigCgt": 0}  # type: ignore[attr-defined]
+
+
 async def test_exec_killed_by_signal(agent: Agent) -> None:
     _, _, info = await run(agent.client, ["sh", "-c", "kill -TERM $$"])
     assert (info.exit_code, info.signal) == (128 + signal.SIGTERM, signal.SIGTERM)

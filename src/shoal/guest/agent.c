@@ -87,8 +87,10 @@ static int conn = -1;           /* the client connection of this handler */
 static pid_t cmd_pid = 0;       /* exec: the command (also its pgid/sid) */
 static int cmd_reaped = 0;      /* exec: cmd_pid has been waited for */
 static int cmd_status = 0;      /* exec: its wait status */
+static int exec_ready = 0;      /* exec: SIGCHLD's handler and this handler's slot are set */
 static int sigchld_pipe[2] = {-1, -1};
 static int commands_cgroup = -1; /* VMs: the guest cgroup every command enters (O_PATH dir), -1 elsewhere */
+static int ignores_all = 0;      /* every catchable signal is SIG_IGN here (PID 1 under gVisor: main) */
 
 static unsigned char obuf[PIPE_CHUNK + 1024]; /* buffered outgoing frames */
 static size_t olen = 0;
@@ -873,11 +875,22 @@ static void exec_child(const char *cwd, uint32_t uid, uint32_t gid, int in_rd, i
         _exit(127);
     if (isatty(0)) /* a background process on a terminal (procs.c): it becomes the session's */
         ioctl(0, TIOCSCTTY, 0);
+    /* Default dispositions for the command. execve resets caught signals itself but keeps ignored ones, and
+       a child that shares our memory (spawn_exec) must not run our handlers: so SIGPIPE (ignored by every
+       agent process), SIGCHLD, SIGTERM and SIGINT (caught by some), or, where the agent ignores every
+       signal (gVisor), all of them. One rt_sigaction per signal cost an exec 64 system calls, each through
+       the sandbox's seccomp filter. */
     struct sigaction sa;
     memset(&sa, 0, sizeof(sa));
     sa.sa_handler = SIG_DFL;
-    for (int s = 1; s < NSIG; s++)
-        sigaction(s, &sa, NULL);
+    static const int caught[] = {SIGPIPE, SIGCHLD, SIGTERM, SIGINT};
+    if (ignores_all) {
+        for (int s = 1; s < NSIG; s++)
+            sigaction(s, &sa, NULL);
+    } else {
+        for (size_t i = 0; i < sizeof(caught) / sizeof(caught[0]); i++)
+            sigaction(caught[i], &sa, NULL);
+    }
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
@@ -1005,6 +1018,62 @@ static int parse_exec(struct cur *c, struct exec_req *r, uint32_t plen) {
     return 0;
 }
 
+/* The command of an exec, started by a child that shares the handler's memory and stops it until the child
+ * execs or exits (CLONE_VM | CLONE_VFORK, as posix_spawn does): no copy of the handler's page tables and no
+ * copy-on-write faults after it, which a fork cost every exec (and more so under a paravirtualised MMU).
+ * The child sends the exec's pid frame ('P': its pid and the handler's) itself before it execs, so the
+ * command starts only once the node can know it started: a command that kills every process it can
+ * (`kill -9 -1` takes the handler too) cannot do so before the node has its pid. */
+struct spawn {
+    const char *cwd;
+    uint32_t uid, gid;
+    int in_rd, out_wr, err_wr;
+    char **argv, **envp;
+    int failed; /* set by the child: the pid frame could not be sent (the command never started) */
+};
+
+static int spawn_child(void *arg) {
+    struct spawn *sp = arg;
+    unsigned char f[13];
+    put_u32(f, 9);
+    f[4] = 'P';
+    put_u32(f + 5, (uint32_t)syscall(SYS_getpid));
+    put_u32(f + 9, (uint32_t)syscall(SYS_getppid));
+    for (size_t off = 0; off < sizeof(f);) {
+        ssize_t n = send(conn, f + off, sizeof(f) - off, MSG_NOSIGNAL);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            sp->failed = 1;
+            _exit(127);
+        }
+        off += (size_t)n;
+    }
+    exec_child(sp->cwd, sp->uid, sp->gid, sp->in_rd, sp->out_wr, sp->err_wr, sp->argv, sp->envp);
+    return 127;
+}
+
+static pid_t spawn_exec(struct spawn *sp) {
+    static unsigned char *stack = NULL; /* the child's; one at a time (the handler waits while it runs) */
+    const size_t size = 256u << 10;
+    if (!stack) {
+        void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+        if (m == MAP_FAILED)
+            return -1;
+        stack = m;
+    }
+    /* No handler of ours may run in the child (it shares our memory) before it set them to default. */
+    sigset_t all, old;
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, &old);
+    sp->failed = 0;
+    pid_t pid = clone(spawn_child, stack + size, CLONE_VM | CLONE_VFORK | SIGCHLD, sp);
+    int err = errno;
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    errno = err;
+    return pid;
+}
+
 /* No process of this handler's is left (the command's leftovers would be its children: it is a subreaper). */
 static int no_children(void) {
     reap_children();
@@ -1029,42 +1098,26 @@ static int do_exec(const unsigned char *pl, uint32_t plen) {
     int outp[2] = {-1, -1}, errp[2] = {-1, -1}, inp[2] = {-1, -1};
     if (pipe2(outp, O_CLOEXEC) < 0 || (!merge && pipe2(errp, O_CLOEXEC) < 0) ||
         ((flags & EXEC_STDIN_PIPE) && pipe2(inp, O_CLOEXEC) < 0) ||
-        pipe2(sigchld_pipe, O_CLOEXEC | O_NONBLOCK) < 0) {
+        (sigchld_pipe[0] < 0 && pipe2(sigchld_pipe, O_CLOEXEC | O_NONBLOCK) < 0)) {
         send_err(errno, "exec %s: pipe: %s", argv[0], strerror(errno));
         return 0;
     }
-    struct sigaction sa;
-    memset(&sa, 0, sizeof(sa));
-    sa.sa_handler = on_sigchld;
-    sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
-    sigaction(SIGCHLD, &sa, NULL);
-
-    /* The command starts only once its pid ('P') is on the way to the node: a command that kills every
-       process it can (`kill -9 -1` takes this handler too) must not be able to do so before the node
-       knows the command started, or the node sees a handler that vanished before starting anything. */
-    int go[2] = {-1, -1};
-    if (pipe2(go, O_CLOEXEC) < 0) {
-        send_err(errno, "exec %s: pipe: %s", argv[0], strerror(errno));
-        return 0;
+    if (!exec_ready) { /* once per handler: its later execs on a kept connection find both in place */
+        struct sigaction sa;
+        memset(&sa, 0, sizeof(sa));
+        sa.sa_handler = on_sigchld;
+        sa.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+        sigaction(SIGCHLD, &sa, NULL);
+        slot_mark_self(SLOT_EXEC);
+        exec_ready = 1;
     }
-    slot_mark_self(SLOT_EXEC);
-    pid_t pid = fork();
+    flush_out(); /* the child writes the pid frame straight to the connection */
+    struct spawn sp = {cwd, uid, gid, inp[0], outp[1], merge ? outp[1] : errp[1], argv, envp, 0};
+    pid_t pid = spawn_exec(&sp);
     if (pid < 0) {
         send_err(errno, "exec %s: fork: %s", argv[0], strerror(errno));
         return 0;
     }
-    if (pid == 0) {
-        close(go[1]);
-        char ready;
-        ssize_t got;
-        while ((got = read(go[0], &ready, 1)) < 0 && errno == EINTR) {
-        }
-        if (got != 1) /* the handler died before the node had the pid: the command never starts */
-            _exit(127);
-        close(go[0]);
-        exec_child(cwd, uid, gid, inp[0], outp[1], merge ? outp[1] : errp[1], argv, envp);
-    }
-    close(go[0]);
     cmd_pid = pid;
     close(outp[1]);
     if (!merge)
@@ -1073,19 +1126,11 @@ static int do_exec(const unsigned char *pl, uint32_t plen) {
         close(inp[0]);
     int fds[2] = {outp[0], merge ? -1 : errp[0]};
     int in_fd = inp[1];
-    set_nonblock(fds[0]);
-    if (fds[1] >= 0)
-        set_nonblock(fds[1]);
+    /* The output pipes stay blocking: they are read only after poll said so, which never blocks. */
     if (in_fd >= 0)
         set_nonblock(in_fd);
-
-    unsigned char hdr[8]; /* the command's pid, and ours: the exec's ID for process lists and kills */
-    put_u32(hdr, (uint32_t)pid);
-    put_u32(hdr + 4, (uint32_t)getpid());
-    send_frame('P', hdr, 8);
-    flush_out();
-    (void)!write(go[1], "g", 1); /* the command may start now */
-    close(go[1]);
+    if (sp.failed) /* the connection broke before the pid frame went out: the command did not start */
+        conn_lost();
 
     static unsigned char buf[PIPE_CHUNK];
     /* With a cap, the first cap - cap/2 bytes of each stream go out live and the last cap/2 at the end. */
@@ -1251,9 +1296,6 @@ static int do_exec(const unsigned char *pl, uint32_t plen) {
     if (keep) { /* back to a clean handler: the next frame on the connection may be another exec */
         free(argv);
         free(envp);
-        close(sigchld_pipe[0]);
-        close(sigchld_pipe[1]);
-        sigchld_pipe[0] = sigchld_pipe[1] = -1;
         cmd_pid = 0;
         cmd_reaped = cmd_status = 0;
         return 1;
@@ -2958,6 +3000,7 @@ int main(int argc, char **argv) {
             if (s != SIGKILL && s != SIGSTOP && s != SIGCHLD)
                 sigaction(s, &sa, NULL);
         }
+        ignores_all = 1;
     } else if (getpid() != 1) {
         /* Outside a PID namespace (tests), exit on SIGTERM/SIGINT. */
         sa.sa_handler = main_sigterm;
