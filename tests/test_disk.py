@@ -67,6 +67,20 @@ def test_default_has_no_disk_of_its_own(client: shoal.Client, node: NodeProcess)
         assert (directory / "upper").is_dir() and not (directory / "disk").exists()
 
 
+def test_tmpfs_scratch_is_in_memory_and_counts_against_memory(client: shoal.Client, node: NodeProcess) -> None:
+    """`tmpfs=[...]`: empty in-memory file systems in the container, nothing of them in the upper on the
+    host's disk; writing past `memory_mb` there ends the writer as allocating would (an OOM kill)."""
+    with client.create(image="busybox", tmpfs=["/scratch", "/var/cache/x"], memory_mb=64, pool=False) as sb:
+        mounts = sb.exec("grep -E ' /(scratch|var/cache/x) ' /proc/mounts").stdout
+        assert [line.split()[2] for line in mounts.splitlines()] == ["tmpfs", "tmpfs"], mounts
+        assert sb.exec("echo hi > /scratch/a && cat /scratch/a").stdout == "hi\n"
+        assert not (node.home / "sandboxes" / sb.id / "upper" / "scratch" / "a").exists()
+        filled = sb.exec("head -c 200000000 /dev/zero > /scratch/big")
+        assert filled.exit_code != 0 and filled.oom_killed, filled
+    with pytest.raises(shoal.InvalidRequestError, match="tmpfs: '/proc/x' is under"):
+        client.create(image="busybox", tmpfs=["/proc/x"])
+
+
 def test_bad_disk_mb(client: shoal.Client) -> None:
     with pytest.raises(shoal.InvalidRequestError, match="disk_mb"):
         client.create(image="busybox", disk_mb=1)

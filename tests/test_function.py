@@ -98,6 +98,20 @@ def test_nothing_persists_between_calls(fn: shoal.Sandbox) -> None:
     assert "Permission denied" in cannot.stdout
 
 
+def test_what_calls_write_is_in_memory_and_counts_as_memory(client: shoal.Client) -> None:
+    """The directories calls may write are tmpfs mounts of the worker's container (creating and removing a
+    file there is cheap, unlike the overlay's upper on the host's disk), so what a call writes counts against
+    its memory limit: past it the call dies as a memory bomb would, and the next call finds nothing."""
+    mounts = "[(l.split()[4], l.split(' - ')[1].split()[0]) for l in open('/proc/self/mountinfo')]"
+    kinds = dict(client.call(mounts))
+    assert [kinds.get(root) for root in worker.WRITABLE] == ["tmpfs"] * len(worker.WRITABLE), kinds
+    fill = "f = open('/work/big', 'wb')\nfor _ in range(200): f.write(bytes(1 << 20))\nf.flush()"
+    with pytest.raises(FunctionError) as filled:
+        client.call(fill, memory_mb=64, timeout=60)
+    assert filled.value.oom_killed and filled.value.type == "MemoryError", filled.value
+    assert client.call("import os\n[os.listdir(d) for d in ('/work', '/tmp', '/var/tmp')]") == [[], [], []]
+
+
 def test_sysv_ipc_does_not_persist(client: shoal.Client) -> None:
     make = (
         "import ctypes\nlibc = ctypes.CDLL(None)\n"

@@ -272,6 +272,14 @@ def test_one_place_decides_memory_per_kind(monkeypatch: pytest.MonkeyPatch) -> N
         ({"memory_mb": 10_000}, "exceeds this node's 8000 MB"),
         ({"pids": 3}, "pids=3: a sandbox needs at least 4"),
         ({"disk_mb": 1}, "disk_mb=1 is below the minimum of 4 MB"),
+        ({"kind": "function", "tmpfs": ["/work"]}, "tmpfs: only containers mount .*not function sandboxes"),
+        ({"kind": "microvm", "tmpfs": ["/work"]}, "tmpfs: only containers mount .*not microvm sandboxes"),
+        ({"tmpfs": ["work"]}, "tmpfs: 'work' is not an absolute, normalised directory path"),
+        ({"tmpfs": ["/work/../etc"]}, "tmpfs: '/work/../etc' is not an absolute, normalised"),
+        ({"tmpfs": ["/"]}, "tmpfs: '/' is not an absolute, normalised directory path below /"),
+        ({"tmpfs": ["/dev/shm"]}, "tmpfs: '/dev/shm' is under /proc, /sys, /dev, /.shoal"),
+        ({"tmpfs": ["/.shoal/x"]}, "tmpfs: '/.shoal/x' is under"),
+        ({"tmpfs": [f"/t{i}" for i in range(9)]}, "tmpfs: at most 8 paths, not 9"),
     ],
 )
 def test_resource_arguments_are_checked_with_the_bound_named(fields: dict, message: str) -> None:
@@ -280,6 +288,15 @@ def test_resource_arguments_are_checked_with_the_bound_named(fields: dict, messa
     with pytest.raises(InvalidRequestError, match=message):
         resources.check(SandboxSpec(**fields), cores=2, total_mb=8000)
     resources.check(SandboxSpec(cpu=2, memory_mb=8000, pids=4, disk_mb=4), cores=2, total_mb=8000)
+    resources.check(SandboxSpec(tmpfs=["/work", "/tmp", "/var/tmp"]), cores=2, total_mb=8000)
+
+
+def test_bundle_mounts_an_empty_tmpfs_at_each_scratch_path() -> None:
+    assert not [m for m in _bundle()["mounts"] if m["destination"] in ("/work", "/tmp")]
+    mounts = {m["destination"]: m for m in _bundle(tmpfs=("/work", "/tmp"))["mounts"]}
+    for path in ("/work", "/tmp"):
+        assert mounts[path]["type"] == "tmpfs" and {"nosuid", "nodev"} <= set(mounts[path]["options"])
+    assert SandboxSpec(tmpfs=["/work"]).pool_key() != SandboxSpec().pool_key()  # pools do not mix them
 
 
 def test_oom_kill_count_reads_the_oom_kill_line_of_either_cgroup_version() -> None:

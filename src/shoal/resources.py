@@ -9,6 +9,7 @@ reader now asks `memory_mb(kind, requested, node_default)` here, and the node ch
 from __future__ import annotations
 
 import os
+import posixpath
 from typing import Any
 
 from shoal import settings
@@ -66,6 +67,26 @@ def check(spec: Any, cores: int | None = None, total_mb: int | None = None) -> N
         )
     if spec.disk_mb is not None and spec.disk_mb < MIN_DISK_MB:
         raise InvalidRequestError(f"disk_mb={spec.disk_mb} is below the minimum of {MIN_DISK_MB} MB")
+    check_tmpfs(spec.kind, list(getattr(spec, "tmpfs", None) or []))
+
+
+MAX_TMPFS = 8
+_NOT_TMPFS = ("/proc", "/sys", "/dev", "/.shoal")  # the runtime's and the agent's own mounts
+
+
+def check_tmpfs(kind: str, paths: list[str]) -> None:
+    """`tmpfs`: containers only; at most MAX_TMPFS absolute, normalised paths, none of the system mounts."""
+    if not paths:
+        return
+    if kind != "container":
+        raise InvalidRequestError(f"tmpfs: only containers mount in-memory file systems, not {kind} sandboxes")
+    if len(paths) > MAX_TMPFS:
+        raise InvalidRequestError(f"tmpfs: at most {MAX_TMPFS} paths, not {len(paths)}")
+    for path in paths:
+        if not isinstance(path, str) or not path.startswith("/") or posixpath.normpath(path) != path or path == "/":
+            raise InvalidRequestError(f"tmpfs: {path!r} is not an absolute, normalised directory path below /")
+        if any(path == root or path.startswith(root + "/") for root in _NOT_TMPFS):
+            raise InvalidRequestError(f"tmpfs: {path!r} is under {', '.join(_NOT_TMPFS)}, which the runtime mounts")
 
 
 def quota_cost(spec: dict[str, Any]) -> tuple[float, int]:

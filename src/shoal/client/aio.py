@@ -244,6 +244,7 @@ class AsyncClient:
         memory_mb: int | None = None,
         pids: int | None = 1024,
         disk_mb: int | None = None,
+        tmpfs: Sequence[str] | None = None,
         ttl_s: float | None | Unset = UNSET,
         idle_timeout_s: float | None | Unset = UNSET,
         on_timeout: str = "kill",
@@ -273,6 +274,8 @@ class AsyncClient:
             memory_mb: memory limit in MiB; None: the node's default for the kind.
             pids: most processes at once (a fork bomb stops here).
             disk_mb: most MiB it may write; None: no cap.
+            tmpfs: container: absolute paths to mount an empty in-memory file system on (scratch space;
+                what is written there counts against `memory_mb`).
             ttl_s: it is closed (or paused, see `on_timeout`) this many seconds after creation;
                 `keepalive` pushes the deadline out. Left out: the node's default (SHOAL_DEFAULT_TTL_S, 24 h),
                 so an abandoned sandbox ends; None: no limit.
@@ -302,7 +305,8 @@ class AsyncClient:
         """
         options: dict[str, Any] = {
             "layers": list(layers or []), "runtime": runtime, "cpu": cpu, "memory_mb": memory_mb, "pids": pids,
-            "disk_mb": disk_mb, "ttl_s": ttl_s, "idle_timeout_s": idle_timeout_s, "on_timeout": on_timeout,
+            "disk_mb": disk_mb, "tmpfs": list(tmpfs or []), "ttl_s": ttl_s, "idle_timeout_s": idle_timeout_s,
+            "on_timeout": on_timeout,
             "env": env or {}, "workdir": workdir, "user": user, "labels": labels or {}, "files": files or {},
             "network": network, "output_cap_bytes": output_cap_bytes, "pool": pool, "trajectory": trajectory,
             "record": record, "snapshot": snapshot, "preimport": list(preimport or []),

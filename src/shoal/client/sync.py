@@ -102,6 +102,7 @@ class Client:
         memory_mb: int | None = None,
         pids: int | None = 1024,
         disk_mb: int | None = None,
+        tmpfs: Sequence[str] | None = None,
         ttl_s: float | None | Unset = UNSET,
         idle_timeout_s: float | None | Unset = UNSET,
         on_timeout: str = "kill",

@@ -75,8 +75,9 @@ def bundle_config(
     resolv_conf: str | None = None,
     agent_dir: str | None = None,
     userns_base: int | None = None,
+    tmpfs: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """config.json for a sandbox whose PID 1 is the shoal agent.
+    """config.json for a sandbox whose PID 1 is the shoal agent (with an empty tmpfs at each `tmpfs` path).
 
     The agent listens on inherited fd 3; or, with `agent_dir` (for runtimes that cannot pass a socket,
     i.e. gVisor), on a socket it creates in that host directory, mounted at /.shoal/run. It then covers
@@ -123,6 +124,9 @@ def bundle_config(
             "options": ["bind", "ro", "nosuid", "nodev"],
         },
     ]
+    for path in tmpfs:  # sandbox root owns them; no size of their own: what is written counts as memory
+        scratch = {"destination": path, "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=755"]}
+        mounts.append(scratch)
     args = [AGENT_PATH, "--fd", "3"]
     if agent_dir:
         mounts.append({"destination": AGENT_RUN_DIR, "type": "bind", "source": agent_dir, "options": ["bind", "rw"]})

@@ -96,7 +96,8 @@ class ContainerSubstrate(Substrate):
                 instance.rootfs = overlay.target
             instance.upper = str(upper)
             cpu = spec.cpu if spec.cpu is not None else self.default_cpu
-            shape = (self.agent_binary, cpu, spec.memory_mb, spec.pids, str(agent_dir) if agent_dir else None, shift)
+            agent = str(agent_dir) if agent_dir else None
+            shape = (self.agent_binary, cpu, spec.memory_mb, spec.pids, agent, shift, tuple(spec.tmpfs))
             config = _config_text(shape).replace(_CGROUP_TOKEN, instance.cgroup_path)
             if agent_dir:
                 agent_dir.mkdir()
@@ -224,10 +225,10 @@ _CGROUP_TOKEN = "@@shoal-cgroup-path@@"
 @functools.lru_cache(maxsize=64)
 def _config_text(shape: tuple) -> str:
     """config.json of one sandbox shape, rendered once: a create only puts its cgroup path in."""
-    agent_binary, cpu, memory_mb, pids, agent_dir, shift = shape
+    agent_binary, cpu, memory_mb, pids, agent_dir, shift, tmpfs = shape
     config = bundle_config(
         hostname="sandbox", agent_binary=agent_binary, cgroup_path=_CGROUP_TOKEN, cpu=cpu, memory_mb=memory_mb,
-        pids=pids, agent_dir=agent_dir, userns_base=shift,
+        pids=pids, agent_dir=agent_dir, userns_base=shift, tmpfs=tmpfs,
     )  # fmt: skip
     return json.dumps(config)
 
