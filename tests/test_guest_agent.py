@@ -684,6 +684,47 @@ async def test_background_followed_on_its_starting_connection(agent: Agent) -> N
         await agent.client.control(id, control_frames(signal=signal.SIGKILL))
 
 
+def children(pid: int) -> set[int]:
+    """The live (not zombie) child processes of `pid`."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.add(int(entry))
+    return found
+
+
+async def test_background_start_is_served_by_a_handler_forked_ahead(agent: Agent) -> None:
+    """Once it started a background process the client holds a spare connection, whose handler the agent
+    forked while nothing waited on it: the next start goes there (that handler becomes its keeper, the ID).
+    A spare whose handler was killed in the sandbox is passed over; close() lets the spare's handler go."""
+    base = children(agent.proc.pid)  # the agent's reserve
+    _, first, follower = await agent.client.background_follow(["true"], env=ENV)
+    assert follower is not None
+    await _drain(follower)
+    assert await wait_for(lambda: len(children(agent.proc.pid) - base - {first}) == 1)
+    (spare,) = children(agent.proc.pid) - base - {first}
+    _, second = await agent.client.background(["true"], env=ENV)
+    assert second == spare
+    assert await wait_for(lambda: len(children(agent.proc.pid) - base - {first, second}) == 1)
+    (spare,) = children(agent.proc.pid) - base - {first, second}
+    os.kill(spare, signal.SIGKILL)
+    assert await wait_for(lambda: spare not in children(agent.proc.pid))
+    _, third, follower = await agent.client.background_follow(["sh", "-c", "echo $PPID"], env=ENV)
+    assert follower is not None
+    assert await _drain(follower) == (f"{third}\n".encode(), b"")
+    assert third not in (first, second, spare)
+    assert await wait_for(lambda: len(children(agent.proc.pid) - base - {first, second, third}) == 1)
+    (spare,) = children(agent.proc.pid) - base - {first, second, third}
+    agent.client.close()
+    assert await wait_for(lambda: spare not in children(agent.proc.pid))
+
+
 async def test_attach_to_unknown_background_process(agent: Agent) -> None:
     with pytest.raises(AgentError) as info:
         await agent.client.attach(agent.proc.pid, Attached.READ)

@@ -65,8 +65,13 @@ class E2BServer:
     @web.middleware
     async def _authenticated(self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]]) -> Any:
         """A request whose key the target accepts lets its connection past netguard's first-request deadline;
-        one without a key or with a refused one does not (the handler answers it as before)."""
+        one without a key or with a refused one does not (the handler answers it as before). A connection's
+        later requests with the key it was accepted with go straight on (its peer and so the plaintext
+        verdict do not change; the key is checked again by every call it makes)."""
         token = request.headers.get("X-Access-Token") or api_key(request)
+        transport = request.transport
+        if token and getattr(transport, "_e2b_key", None) == token:
+            return await handler(request)
         if token and not request.secure:  # the same plaintext policy as every port (shoal/tls.py)
             try:
                 tls.refuse_plaintext(request.remote or "", "E2B API")
@@ -77,7 +82,9 @@ class E2BServer:
         except Exception:  # noqa: BLE001 - the handler makes the error response
             pass
         else:
-            netguard.mark_authenticated(request.transport)
+            netguard.mark_authenticated(transport)
+            if token and transport is not None:
+                transport._e2b_key = token  # type: ignore[attr-defined]
         return await handler(request)
 
     def app(self) -> web.Application:

@@ -2,7 +2,9 @@
 
 Every operation opens its own connection to the agent's Unix socket, except the node's exec step
 (``exec_run``): its connection is kept for the next exec when the command left nothing running, so an exec
-on a kept connection costs the agent one fork (the command's) instead of an accept and two.  Frames are
+on a kept connection costs the agent one fork (the command's) instead of an accept and two.  A background
+start is sent on a connection dialled ahead (the spare: dialled once the previous start got its pid, so the
+agent forks the handler that becomes the next keeper while no start waits on it).  Frames are
 ``u32 length (type byte + payload) | u8 type | payload``, all integers big-endian.
 
 Two ways to run a command: ``exec`` (an ExecProcess on asyncio streams, read one frame at a time: shells,
@@ -633,29 +635,58 @@ _BG_ENTRY = struct.Struct(">II?ii?QQ")
 _ATTACH = struct.Struct(">IBQQ")
 
 
+def _waiting(sock: socket.socket) -> bool:
+    """Does the handler at the other end of this idle connection still wait for a request (no EOF, error or
+    unasked-for bytes on it)? Closes it if not."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True
+    except OSError:
+        pass
+    sock.close()
+    return False
+
+
 class AgentClient:
     """Client for one agent socket. It holds up to KEEP idle exec connections (each an agent handler waiting
-    in the sandbox for its next exec); close() closes them."""
+    in the sandbox for its next exec) and, once it started a background process, one spare connection for
+    the next (its handler forked ahead, waiting for its first request); close() closes them."""
 
     KEEP = 2
 
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
         self._kept: list[socket.socket] = []
+        self._spare: socket.socket | None = None
         self._closed = False
 
     def _take_kept(self) -> socket.socket | None:
         """A kept connection whose handler still lives (no EOF waiting on it), or None."""
         while self._kept:
             sock = self._kept.pop()
-            try:
-                sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return sock  # nothing to read: the handler waits for a request
-            except OSError:
-                pass
-            sock.close()  # EOF, an error, or bytes no request asked for
+            if _waiting(sock):
+                return sock
         return None
+
+    def _take_spare(self) -> socket.socket | None:
+        sock, self._spare = self._spare, None
+        return sock if sock is not None and _waiting(sock) else None
+
+    def _dial_spare(self) -> None:
+        """Connect the next background start's connection now: the agent accepts it and forks its handler
+        while the command just started runs, not while the next start waits (a fork in the sandbox is the
+        larger part of a start's latency on a nested VM: bench/bench_e2b.py). Never waits: a backlog that
+        is full, or an agent that is gone, leaves no spare (the next start dials as before)."""
+        if self._closed or self._spare is not None:
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            return
+        self._spare = sock
 
     def _keep(self, sock: socket.socket) -> bool:
         if self._closed or len(self._kept) >= self.KEEP:
@@ -668,6 +699,9 @@ class AgentClient:
         (the sandbox is going away); the client stays usable."""
         self._closed = True
         kept, self._kept = self._kept, []
+        if self._spare is not None:
+            kept.append(self._spare)
+            self._spare = None
         for sock in kept:
             sock.close()
 
@@ -831,19 +865,43 @@ class AgentClient:
         flags = EXEC_BG_FOLLOW if follow else 0
         payload = _exec_payload(argv, env, cwd, uid, gid, ring_bytes, stdin_pipe, merge_stderr, flags)
         payload += _U32.pack(rows << 16 | cols)
-        conn = await self._request(b"B", payload, _SockConn)
+        request = _frame(b"B", payload)
+        conn, reply = await self._started_on_spare(request)
         attached = None
         try:
-            _, reply = await conn.expect(b"P")
+            if reply is None:  # no spare, or its handler went away before answering: a new connection
+                conn = await self._request(b"B", payload, _SockConn)
+                _, reply = await conn.expect(b"P")
+            self._dial_spare()
             pid, keeper = struct.unpack_from(">II", reply)
             if follow:
                 with contextlib.suppress(ConnectionError):  # an older agent closed it: the caller attaches
                     _, reply = await conn.expect(b"P")
                     attached = Attached(conn, pid, keeper, bool(struct.unpack_from(">II?", reply)[2]), (0, 0))
         finally:
-            if attached is None:
+            if attached is None and conn is not None:
                 await conn.close()
         return pid, keeper, attached
+
+    async def _started_on_spare(self, request: bytes) -> tuple[_SockConn | None, bytes | None]:
+        """Send a background start on the spare connection; (conn, the 'P' reply), or (None, None) if there is
+        no spare or it ended before the reply: its idle handler was killed from inside the sandbox (`kill -9
+        -1`), which the liveness check misses only in the instant between it and the send; the start is then
+        sent again on a new connection (a handler killed after it forked the command would be killed by the
+        same `kill -1` as the command)."""
+        sock = self._take_spare()
+        if sock is None:
+            return None, None
+        conn = _SockConn(self.socket_path, sock)
+        try:
+            await conn.send(request)
+            return conn, (await conn.expect(b"P"))[1]
+        except ConnectionError:
+            await conn.close()
+            return None, None
+        except BaseException:
+            await conn.close()
+            raise
 
     async def attach(self, id: int, mode: int, offsets: tuple[int, int] = (0, 0), frames: bytes = b"") -> Attached:
         """Connect to background process `id` (Attached.READ, FOLLOW or CONTROL), sending `frames` first."""

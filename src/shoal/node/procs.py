@@ -117,11 +117,14 @@ async def read_attached(
     deadline = time.monotonic() + timeout if timeout is not None else None
     try:
         while True:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                item = await asyncio.wait_for(attached.next(), wait)
-            except TimeoutError:
-                break
+            if deadline is None:
+                item = await attached.next()
+            else:  # asyncio.timeout, not wait_for: no task per item (3.11's wait_for wraps the read in one)
+                try:
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        item = await attached.next()
+                except TimeoutError:
+                    break
             if item is None:
                 break
             stream, data = item
