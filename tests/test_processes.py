@@ -58,6 +58,26 @@ def test_leftovers_are_listed_with_their_exec_and_killed_per_exec(client: shoal.
         assert sb.exec("echo still here").stdout == "still here\n"
 
 
+def test_execs_on_a_kept_handler_have_ids_of_their_own(client: shoal.Client) -> None:
+    """The node's execs reuse one agent handler while they leave nothing (guest/client.py), so the agent names
+    them all by that handler; the node gives each its own ID: an ID kept from an exec that left nothing kills
+    and lists nothing of a later exec's on the same handler."""
+    with client.create(image="busybox", pool=False, ttl_s=300) as sb:
+        done = [sb.exec("true") for _ in range(3)]
+        later = sb.exec("sleep 107 >/dev/null 2>&1 & echo ok")
+        ids = [r.exec_id for r in (*done, later)]
+        assert all(ids) and len(set(ids)) == 4, ids
+        for r in done:
+            assert sb.kill_processes(r.exec_id) == {"killed": 0, "left": 0}
+        listed = sb.processes()
+        assert [(p["command"], p["exec_id"]) for p in listed] == [("sleep 107", later.exec_id)], listed
+        assert listed[0]["exec_command"] == "sleep 107 >/dev/null 2>&1 & echo ok"
+        assert sb.kill_processes(later.exec_id) == {"killed": 1, "left": 0}
+        _until_empty(sb)
+        with pytest.raises(shoal.InvalidRequestError):
+            sb.kill_processes(-1)
+
+
 def test_a_timeout_kills_what_escaped_with_setsid(client: shoal.Client) -> None:
     with client.create(image="busybox", pool=False, ttl_s=300) as sb:
         r = sb.exec("setsid sh -c 'sleep 105 >/dev/null 2>&1 &'; (sleep 106 >/dev/null 2>&1 &); sleep 100", timeout=1)

@@ -44,6 +44,44 @@ class Sandbox:
     screen: Any = None  # node.gui.Screen: its display's helper, when it has a screen
     execs: dict[int, str] = field(default_factory=dict)  # recent execs' commands by exec ID (processes())
     record_base: dict[str, Any] | None = None  # the substrate's part of record.json (recovery.write_record)
+    handlers: dict[int, int] = field(default_factory=dict)  # agent handler pid -> the last exec ID it served
+    handler_execs: int = 0  # execs so far that ran on a handler an earlier exec had used (exec_started)
+
+    def exec_started(self, handler_pid: int | None, command: str) -> int | None:
+        """The exec ID of an exec the agent's handler `handler_pid` now runs. The agent names an exec by its
+        handler, and a kept handler serves execs one after another (guest/client.py), so the first exec on a
+        handler is named by its pid (as before) and every later one by ``n << 32 | pid``: unique, so an ID
+        kept from an exec that ended leaving nothing can never kill or list a later exec's processes
+        (`agent_exec_id`)."""
+        if handler_pid is None:
+            return None
+        exec_id = handler_pid
+        if handler_pid in self.handlers:
+            self.handler_execs += 1
+            exec_id = self.handler_execs << 32 | handler_pid
+        self.handlers.pop(handler_pid, None)
+        self.handlers[handler_pid] = exec_id
+        while len(self.handlers) > 4096:
+            del self.handlers[next(iter(self.handlers))]
+        self.remember_exec(exec_id, command)
+        return exec_id
+
+    def background_started(self, process_id: int, command: str) -> None:
+        """A background process (its keeper's pid is its ID) holds that pid as its exec ID from now on."""
+        self.handlers.pop(process_id, None)
+        self.handlers[process_id] = process_id
+        self.remember_exec(process_id, command)
+
+    def exec_id_of(self, handler_pid: int | None) -> int | None:
+        """The exec ID of the processes the agent lists under handler `handler_pid`."""
+        return None if handler_pid is None else self.handlers.get(handler_pid, handler_pid)
+
+    def agent_exec_id(self, exec_id: int) -> int | None:
+        """The handler to ask the agent about for exec `exec_id`, or None if that exec ended leaving nothing
+        (its handler has served a later exec since: what runs there now is not exec_id's)."""
+        handler_pid = exec_id & 0xFFFFFFFF
+        current = self.handlers.get(handler_pid)
+        return handler_pid if current is None or current == exec_id else None
 
     def remember_exec(self, exec_id: int | None, command: str) -> None:
         if exec_id is not None:

@@ -859,7 +859,7 @@ class NodeService:
                     f"limit is {sandbox.spec.pids}; wait for processes to exit or kill them"
                 ) from None
             raise CapacityError(f"sandbox {sandbox.id} dropped the command before it started: {exc}") from None
-        sandbox.remember_exec(run.handler_pid, req.cmd if isinstance(req.cmd, str) else " ".join(req.cmd))
+        exec_id = sandbox.exec_started(run.handler_pid, req.cmd if isinstance(req.cmd, str) else " ".join(req.cmd))
         timed_out = killed_inside = False
         try:
             if req.stdin is not None:
@@ -911,7 +911,7 @@ class NodeService:
             oom_killed=oom,
             stdout_omitted=exit_info.stdout_dropped if exit_info else 0,
             stderr_omitted=exit_info.stderr_dropped if exit_info else 0,
-            exec_id=run.handler_pid,
+            exec_id=exec_id,
         )
 
     # ---------------------------------------------------------------- files
@@ -985,10 +985,11 @@ class NodeService:
                 "ppid": e.ppid,
                 "state": e.state,
                 "command": e.command,
-                "exec_id": e.exec_id,
-                "exec_command": sandbox.execs.get(e.exec_id) if e.exec_id else None,
+                "exec_id": exec_id,
+                "exec_command": sandbox.execs.get(exec_id) if exec_id else None,
             }
             for e in entries
+            for exec_id in (sandbox.exec_id_of(e.exec_id),)
         ]
 
     # ---------------------------------------------------------------- background processes (node/procs.py)
@@ -1044,7 +1045,7 @@ class NodeService:
                 open_stdin=open_stdin, follow=follow,
             ))  # fmt: skip
             command = cmd if isinstance(cmd, str) else " ".join(cmd)
-            sandbox.remember_exec(started["id"], command)
+            sandbox.background_started(started["id"], command)
             return {**started, "command": command[:200]}
 
         try:
@@ -1135,6 +1136,13 @@ class NodeService:
     async def kill_processes(self, sandbox_id: str, exec_id: int | None = None) -> dict[str, int]:
         """SIGKILL every process of exec `exec_id` (of every exec if None); the agent stays. Needs no fork in
         the sandbox, so it also works when a fork bomb holds every pid (the agent's reserve serves it)."""
+        if exec_id is not None:
+            if not 0 < exec_id < 1 << 64:
+                raise InvalidRequestError(f"exec_id {exec_id} names no exec: take it from ExecResult.exec_id")
+            handler = self._get(sandbox_id).agent_exec_id(exec_id)
+            if handler is None:  # that exec ended leaving nothing; its handler runs a later exec now
+                return {"killed": 0, "left": 0}
+            exec_id = handler
         killed, left = await self._agent_call(sandbox_id, "kill_processes", exec_id)
         return {"killed": killed, "left": left}
 
