@@ -55,6 +55,7 @@ venv: $(VENV)/.installed
 
 agent: venv
 	@$(PY) -c "from shoal.guest import agent_binary_path; print('agent:', agent_binary_path())"
+	@$(PY) -c "from shoal.substrates.container.launcher import binary_path; print('launcher:', binary_path())"
 
 # desktop (Xvfb + xterm + xdotool + python3-xlib for tests/test_gui.py; Xfce, scrot, noVNC for
 # tests/test_e2b_desktop.py): about 5 minutes on a loaded 2-core machine

@@ -230,3 +230,23 @@ def favor_dynamic_modifications(on: bool = True, mountinfo: str = "/proc/self/mo
             return f"cgroup2 at {target} did not take the change here"
         return f"cgroup2 at {target} remounted with favordynmods {'on' if on else 'off'}"
     return "no cgroup2 mounted here"
+
+
+def freeze(path: str, frozen: bool, timeout: float = 30.0) -> None:
+    """Freeze (or thaw) every task of cgroup `path` and wait until the kernel says it is so.
+
+    For sandboxes no OCI runtime made (runtime="shoal"): `crun pause` writes the same file. A v1 freezer
+    passes through FREEZING while tasks stop; it is polled until FROZEN (or THAWED)."""
+    rel = path.strip("/")
+    if layout() == "v2":
+        name, value, done = ROOT / rel / "cgroup.freeze", "1" if frozen else "0", None
+    else:
+        name, value = ROOT / "freezer" / rel / "freezer.state", "FROZEN" if frozen else "THAWED"
+        done = value
+    name.write_text(value)
+    deadline = time.monotonic() + timeout
+    while done is not None and name.read_text().strip() != done:
+        if time.monotonic() > deadline:
+            raise OSError(errno.EBUSY, f"cgroup {path} did not become {done} within {timeout:.0f} s")
+        name.write_text(value)  # v1: a write retries tasks that could not be frozen yet
+        time.sleep(0.002)

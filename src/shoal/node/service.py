@@ -157,6 +157,7 @@ class NodeService:
         await self.network.cleanup_all()
         for substrate in self._snapshotting_substrates():
             substrate.delete_all_snapshots()
+        await self._close_launcher()
         for parent in cgroups.sandbox_dirs(f"/{self.settings.cgroup_parent}"):
             with contextlib.suppress(OSError):  # still holds a sandbox's cgroup: keep it
                 parent.rmdir()
@@ -185,7 +186,13 @@ class NodeService:
         await self.network.cleanup_all()
         for substrate in self._snapshotting_substrates():
             substrate.delete_all_snapshots()
+        await self._close_launcher()
         return kept
+
+    async def _close_launcher(self) -> None:
+        container = self.substrates["container"]
+        assert isinstance(container, ContainerSubstrate)
+        await container.close()
 
     async def _reattach_networks(self) -> None:
         """Plumb re-adopted networked sandboxes again on their recorded slots (recovery.py); one that cannot be

@@ -82,7 +82,8 @@ class OciRuntime:
     @classmethod
     def find(cls, name: str, state_root: Path) -> OciRuntime:
         if name not in RUNTIMES:
-            raise InvalidRequestError(f"unknown runtime {name!r}; choose one of {', '.join(RUNTIMES)}")
+            names = ", ".join((*RUNTIMES, "shoal"))  # shoal: launcher.py's, not an OCI runtime
+            raise InvalidRequestError(f"unknown runtime {name!r}; choose one of {names}")
         binary = shutil.which(name)
         if binary is None:
             package = {"crun": "crun", "runc": "runc", "runsc": "gVisor (runsc)"}[name]

@@ -28,9 +28,9 @@ from shoal.guest import agent_binary_path
 from shoal.images import Image
 from shoal.protocol import SandboxSpec
 from shoal.substrates.base import Capabilities, Instance, Substrate
-from shoal.substrates.container import disk, userns
+from shoal.substrates.container import disk, launcher, userns
 from shoal.substrates.container.mountns import Mount, PrivateMounts
-from shoal.substrates.container.oci import bundle_config
+from shoal.substrates.container.oci import CPU_PERIOD_US, bundle_config, cpu_shares
 from shoal.substrates.container.runtime import OciRuntime
 
 log = logging.getLogger("shoal.node")
@@ -52,11 +52,20 @@ class ContainerSubstrate(Substrate):
         self.default_disk_mb: int | None = settings.DEFAULT_DISK_MB.get()  # a cap for sandboxes that name none
         self.default_cpu = default_cpu  # the cap of sandboxes that name no cpu= (NodeSettings.default_cpu)
         self._private_mounts = PrivateMounts()
+        self._launcher = launcher.Launcher(self.agent_binary, runtime_root / "shoal-launcher.log")
 
-    def runtime(self, name: str) -> OciRuntime:
+    def runtime(self, name: str) -> OciRuntime | launcher.ShoalRuntime:
         if name not in self._runtimes:
-            self._runtimes[name] = OciRuntime.find(name, self.runtime_root)
+            if name == launcher.NAME:
+                launcher.check_host(self.userns_base)
+                self._runtimes[name] = launcher.ShoalRuntime(self._launcher)
+            else:
+                self._runtimes[name] = OciRuntime.find(name, self.runtime_root)
         return self._runtimes[name]
+
+    async def close(self) -> None:
+        """Stop the node's launcher (the sandboxes it made keep running until closed or re-adopted)."""
+        await self._launcher.close()
 
     async def create(self, sandbox_id: str, spec: SandboxSpec, image: Image, snapshot: str | None = None) -> Instance:
         if snapshot is not None:
@@ -88,13 +97,21 @@ class ContainerSubstrate(Substrate):
                 upper, overlay = await asyncio.to_thread(self._prepare_rootfs, directory, image, disk_mb, shift)
             else:
                 upper, overlay = self._prepare_rootfs(directory, image)
+            instance.upper = str(upper)
+            if isinstance(runtime, launcher.ShoalRuntime):
+                listener = _listen(instance.agent_socket)
+                cpu = spec.cpu if spec.cpu is not None else self.default_cpu
+                fields = _launch_fields(instance, overlay, cpu, spec.memory_mb, spec.pids)
+                known = functools.partial(setattr, instance, "pid")  # for the cleanup, even when cancelled
+                pid = await self._launcher.create(fields, listener.fileno(), known)
+                instance.rootfs = f"/proc/{pid}/root"
+                return instance
             starter = None
             if runtime.own_mount_ns:
                 starter = functools.partial(self._private_mounts.spawn, [overlay])
             else:
                 linux.mount(overlay.source, overlay.target, overlay.fstype, 0, overlay.options)
                 instance.rootfs = overlay.target
-            instance.upper = str(upper)
             cpu = spec.cpu if spec.cpu is not None else self.default_cpu
             agent = str(agent_dir) if agent_dir else None
             shape = (self.agent_binary, cpu, spec.memory_mb, spec.pids, agent, shift, tuple(spec.tmpfs))
@@ -103,9 +120,7 @@ class ContainerSubstrate(Substrate):
                 agent_dir.mkdir()
             _write(directory / "config.json", config)
             if agent_dir is None:
-                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                listener.bind(str(instance.agent_socket))
-                listener.listen(128)
+                listener = _listen(instance.agent_socket)
             fd = listener.fileno() if listener else None
             await runtime.run_detached(sandbox_id, directory, fd, directory / "runtime.log", starter)
             if agent_dir is None:
@@ -167,10 +182,18 @@ class ContainerSubstrate(Substrate):
         await asyncio.to_thread(_remove_leftovers, directory, record["cgroup"])
 
     async def pause(self, instance: Instance) -> None:
-        await self.runtime(instance.runtime or "crun").pause(instance.id)
+        runtime = self.runtime(instance.runtime or "crun")
+        if isinstance(runtime, launcher.ShoalRuntime):
+            await runtime.pause(instance.id, instance.cgroup_path)
+        else:
+            await runtime.pause(instance.id)
 
     async def resume(self, instance: Instance) -> None:
-        await self.runtime(instance.runtime or "crun").resume(instance.id)
+        runtime = self.runtime(instance.runtime or "crun")
+        if isinstance(runtime, launcher.ShoalRuntime):
+            await runtime.resume(instance.id, instance.cgroup_path)
+        else:
+            await runtime.resume(instance.id)
 
 
 async def _wait_for_socket(path: Path, log: Path, timeout: float = 30.0) -> None:
@@ -189,6 +212,39 @@ async def _wait_for_socket(path: Path, log: Path, timeout: float = 30.0) -> None
             detail = log.read_text(errors="replace")[-500:] if log.exists() else ""
             raise SandboxLostError(f"the sandbox's agent did not come up within {timeout:.0f} s: {detail}")
         await asyncio.sleep(0.005)
+
+
+def _listen(path: Path) -> socket.socket:
+    """The agent's listening socket, made by the node and handed to the sandbox as its fd 3."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(path))
+        listener.listen(128)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def _launch_fields(
+    instance: Instance, overlay: Mount, cpu: float | None, memory_mb: int | None, pids: int | None
+) -> list[tuple[str, str]]:
+    """One create request for the shoal launcher: the same limits bundle_config gives crun."""
+    fields = [
+        ("rootfs", overlay.target),
+        ("overlay", overlay.options),
+        ("log", str(instance.directory / "runtime.log")),
+        ("cgroup", instance.cgroup_path.strip("/")),
+        ("shares", str(cpu_shares(cpu))),
+        ("hostname", "sandbox"),
+    ]
+    if memory_mb is not None:
+        fields.append(("mem", str(memory_mb << 20)))
+    if pids is not None:
+        fields.append(("pids", str(pids)))
+    if cpu is not None:
+        fields += [("quota", str(int(cpu * CPU_PERIOD_US))), ("period", str(CPU_PERIOD_US))]
+    return fields
 
 
 def _shield_from_oom_killer(pid: int) -> None:

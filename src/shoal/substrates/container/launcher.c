@@ -1,0 +1,533 @@
+/* shoal-launcher: the `shoal` container runtime, pre-forked by the node (launcher.py).
+ *
+ * Why: a create through crun execs and dynamically links a runtime binary, parses config.json and
+ * re-derives the same namespaces, mounts, cgroup limits, capabilities and seccomp filter every time. This
+ * program is started once per node and makes each sandbox with the same isolation as the crun bundle that
+ * oci.py describes, doing only the kernel's part per create.
+ *
+ * Protocol (a SOCK_SEQPACKET socketpair on fd 3; one message per request, NUL-separated "key=value" fields):
+ *   node -> launcher: "op=init" with agent=, nofile=, caps=<hex mask>, capmax=, bpf=<hex>, mask=<path>...,
+ *                     ro=<path>..., cg=<hierarchy dir>..., dev=<devices.allow line>...
+ *                     "op=create" with id=, rootfs=, overlay=, log=, cgroup=<relative path>, mem=, pids=,
+ *                     shares=, quota=, period=, hostname=; the agent's listening socket rides along
+ *                     (SCM_RIGHTS) and becomes the sandbox's fd 3.
+ *   launcher -> node: "<id> ok <pid>" once the agent has been exec'd, or "<id> err <reason>".
+ * The launcher exits when the node's end closes (the node stopped or died); sandboxes keep running.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define SOCK_FD 3
+#define MAX_LIST 64
+#define MAX_PENDING 256
+#define MSG_MAX 65536
+
+static struct {
+    char agent[4096];
+    long nofile;
+    uint64_t caps;
+    int capmax;
+    struct sock_filter *bpf;
+    unsigned short bpf_len;
+    char *mask[MAX_LIST], *ro[MAX_LIST], *cg[MAX_LIST], *dev[MAX_LIST];
+    int nmask, nro, ncg, ndev;
+    int ready;
+} conf;
+
+struct request {
+    const char *id, *rootfs, *overlay, *log, *cgroup, *mem, *pids, *shares, *quota, *period, *hostname;
+};
+
+struct pending {
+    int fd; /* the child's status pipe: closes on exec, or carries the reason it failed */
+    pid_t pid;
+    char id[64];
+};
+static struct pending pending[MAX_PENDING];
+static int npending;
+
+static void reply(const char *fmt, ...) {
+    char buf[8192];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (n < 0) return;
+    if (n >= (int)sizeof buf) n = sizeof buf - 1;
+    while (send(SOCK_FD, buf, n, MSG_NOSIGNAL) < 0 && errno == EINTR) {
+    }
+}
+
+/* ------------------------------------------------------------------ the child: becomes the sandbox's init */
+
+static int status_fd = -1;
+
+static void fail(const char *what, const char *arg) {
+    char buf[600];
+    int n = snprintf(buf, sizeof buf, "%s %s: %s", what, arg ? arg : "", strerror(errno));
+    if (n > 0) (void)!write(status_fd, buf, n > (int)sizeof buf ? (int)sizeof buf : n);
+    _exit(127);
+}
+
+static void join(char *out, size_t size, const char *a, const char *b) {
+    if ((size_t)snprintf(out, size, "%s%s", a, b) >= size) {
+        errno = ENAMETOOLONG;
+        fail("path", b);
+    }
+}
+
+static void mount_or_fail(const char *src, const char *root, const char *dest, const char *type, unsigned long flags,
+                          const char *data) {
+    char target[4096];
+    join(target, sizeof target, root, dest);
+    if (mkdir(target, 0755) < 0 && errno != EEXIST) fail("mkdir", target);
+    if (mount(src, target, type, flags, data) < 0) fail("mount", target);
+}
+
+static void make_dev(const char *root, const char *name, int major, int minor) {
+    char path[4096];
+    join(path, sizeof path, root, name);
+    if (mknod(path, S_IFCHR | 0666, makedev(major, minor)) < 0) fail("mknod", path);
+    if (chmod(path, 0666) < 0) fail("chmod", path);
+}
+
+static void make_link(const char *root, const char *target, const char *name) {
+    char path[4096];
+    join(path, sizeof path, root, name);
+    if (symlink(target, path) < 0) fail("symlink", path);
+}
+
+static void mask_path(const char *root, const char *p) {
+    char path[4096];
+    struct stat st;
+    join(path, sizeof path, root, p);
+    if (lstat(path, &st) < 0) {
+        if (errno == ENOENT) return; /* as crun: nothing to hide */
+        fail("stat", path);
+    }
+    if (S_ISDIR(st.st_mode)) {
+        if (mount("tmpfs", path, "tmpfs", MS_RDONLY, "size=0k") < 0) fail("mask", path);
+    } else {
+        if (mount("/dev/null", path, NULL, MS_BIND, NULL) < 0) fail("mask", path);
+        if (mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY, NULL) < 0) fail("mask ro", path);
+    }
+}
+
+static void readonly_path(const char *root, const char *p) {
+    char path[4096];
+    join(path, sizeof path, root, p);
+    if (mount(path, path, NULL, MS_BIND | MS_REC, NULL) < 0) {
+        if (errno == ENOENT) return;
+        fail("bind", path);
+    }
+    unsigned long flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC;
+    if (mount(NULL, path, NULL, flags, NULL) < 0) fail("readonly", path);
+}
+
+static void child(const struct request *r, int sync_fd, int listen_fd, int log_fd) {
+    char c;
+    const char *root = r->rootfs;
+    char path[4096];
+    if (read(sync_fd, &c, 1) != 1) _exit(1); /* the parent could not place us in the cgroup */
+    close(sync_fd);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    if (setsid() < 0) fail("setsid", NULL);
+    if (unshare(CLONE_NEWCGROUP) < 0) fail("unshare", "cgroup"); /* rooted at the sandbox's cgroup */
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail("make private", "/");
+    if (mount("overlay", root, "overlay", 0, r->overlay) < 0) fail("mount overlay", root);
+    mount_or_fail("proc", root, "/proc", "proc", MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
+    mount_or_fail("tmpfs", root, "/dev", "tmpfs", MS_NOSUID | MS_STRICTATIME, "mode=755,size=65536k");
+    mount_or_fail("devpts", root, "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+                  "newinstance,ptmxmode=0666,mode=0620");
+    mount_or_fail("shm", root, "/dev/shm", "tmpfs", MS_NOSUID | MS_NOEXEC | MS_NODEV, "mode=1777,size=65536k");
+    mount_or_fail("mqueue", root, "/dev/mqueue", "mqueue", MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
+    mount_or_fail("sysfs", root, "/sys", "sysfs", MS_NOSUID | MS_NOEXEC | MS_NODEV | MS_RDONLY, NULL);
+    join(path, sizeof path, root, "/.shoal");
+    if (mkdir(path, 0755) < 0 && errno != EEXIST) fail("mkdir", path);
+    join(path, sizeof path, root, "/.shoal/agent");
+    int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0755);
+    if (fd < 0) fail("create", path);
+    close(fd);
+    if (mount(conf.agent, path, NULL, MS_BIND, NULL) < 0) fail("bind", path);
+    if (mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL) < 0)
+        fail("remount", path);
+    make_dev(root, "/dev/null", 1, 3);
+    make_dev(root, "/dev/zero", 1, 5);
+    make_dev(root, "/dev/full", 1, 7);
+    make_dev(root, "/dev/random", 1, 8);
+    make_dev(root, "/dev/urandom", 1, 9);
+    make_dev(root, "/dev/tty", 5, 0);
+    make_link(root, "pts/ptmx", "/dev/ptmx");
+    make_link(root, "/proc/self/fd", "/dev/fd");
+    make_link(root, "/proc/self/fd/0", "/dev/stdin");
+    make_link(root, "/proc/self/fd/1", "/dev/stdout");
+    make_link(root, "/proc/self/fd/2", "/dev/stderr");
+    make_link(root, "/proc/kcore", "/dev/core");
+    for (int i = 0; i < conf.nmask; i++) mask_path(root, conf.mask[i]);
+    for (int i = 0; i < conf.nro; i++) readonly_path(root, conf.ro[i]);
+    /* stdio as crun gives it: stdin /dev/null, stdout+stderr the log; fd 3 the agent's listening socket */
+    int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (null_fd < 0) fail("open", "/dev/null");
+    int hi_null = fcntl(null_fd, F_DUPFD_CLOEXEC, 100), hi_log = fcntl(log_fd, F_DUPFD_CLOEXEC, 100);
+    int hi_listen = fcntl(listen_fd, F_DUPFD_CLOEXEC, 100);
+    if (hi_null < 0 || hi_log < 0 || hi_listen < 0) fail("dup", NULL);
+    if (dup2(hi_null, 0) < 0 || dup2(hi_log, 1) < 0 || dup2(hi_log, 2) < 0 || dup2(hi_listen, SOCK_FD) < 0)
+        fail("dup2", NULL);
+    if (syscall(SYS_close_range, 4, ~0U, 4 /* CLOSE_RANGE_CLOEXEC */) < 0) fail("close_range", NULL);
+    if (chdir(root) < 0) fail("chdir", root);
+    if (syscall(SYS_pivot_root, ".", ".") < 0) fail("pivot_root", root);
+    if (umount2(".", MNT_DETACH) < 0) fail("umount", "old root");
+    if (chdir("/") < 0) fail("chdir", "/");
+    if (sethostname(r->hostname, strlen(r->hostname)) < 0) fail("sethostname", r->hostname);
+    struct rlimit rl = {conf.nofile, conf.nofile};
+    if (setrlimit(RLIMIT_NOFILE, &rl) < 0) fail("setrlimit", "NOFILE");
+    /* the agent outlives its sandbox's OOM kills; as the node does for crun, only where allowed (a host
+     * without CAP_SYS_RESOURCE refuses it) */
+    fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        (void)!write(fd, "-1000", 5);
+        close(fd);
+    }
+    for (int cap = 0; cap <= conf.capmax; cap++)
+        if (!(conf.caps & (1ULL << cap)) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0) fail("drop capability", NULL);
+    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL) fail("clear ambient", NULL);
+    struct __user_cap_header_struct head = {_LINUX_CAPABILITY_VERSION_3, 0};
+    struct __user_cap_data_struct data[2] = {{0}};
+    data[0].effective = data[0].permitted = (uint32_t)conf.caps;
+    data[1].effective = data[1].permitted = (uint32_t)(conf.caps >> 32);
+    if (syscall(SYS_capset, &head, data) < 0) fail("capset", NULL);
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) fail("no_new_privs", NULL);
+    struct sock_fprog prog = {conf.bpf_len, conf.bpf};
+    if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) < 0) fail("seccomp", NULL);
+    char *argv[] = {"/.shoal/agent", "--fd", "3", NULL};
+    char *envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL};
+    execve(argv[0], argv, envp);
+    fail("execve", argv[0]);
+}
+
+/* ------------------------------------------------------------------ the parent: cgroups, then the child */
+
+static int write_file(const char *dir, const char *name, const char *value) {
+    char path[4096];
+    if ((size_t)snprintf(path, sizeof path, "%s/%s", dir, name) >= sizeof path) return -1;
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = write(fd, value, strlen(value));
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    return n == (ssize_t)strlen(value) ? 0 : -1;
+}
+
+static int read_file(const char *dir, const char *name, char *out, size_t size) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = read(fd, out, size - 1);
+    close(fd);
+    if (n < 0) return -1;
+    out[n] = 0;
+    return 0;
+}
+
+/* A new v1 cpuset cgroup has no cpus or mems: copy its parent's (as crun does), or nothing may run in it */
+static int cpuset_inherit(const char *dir, const char *parent_dir) {
+    char value[4096];
+    static const char *names[] = {"cpuset.cpus", "cpuset.mems"};
+    for (int i = 0; i < 2; i++) {
+        if (read_file(dir, names[i], value, sizeof value) == 0 && value[0] != '\n' && value[0]) continue;
+        if (read_file(parent_dir, names[i], value, sizeof value) < 0) return -1;
+        if (write_file(dir, names[i], value) < 0) return -1;
+    }
+    return 0;
+}
+
+static const char *base_name(const char *hierarchy) {
+    const char *slash = strrchr(hierarchy, '/');
+    return slash ? slash + 1 : hierarchy;
+}
+
+/* Make the sandbox's cgroup in every hierarchy and write its limits; on error, why (errno set) */
+static const char *make_cgroup(const struct request *r) {
+    static char why[4800];
+    char parent[4200], dir[4200], rel_parent[2048];
+    snprintf(rel_parent, sizeof rel_parent, "%s", r->cgroup);
+    char *cut = strrchr(rel_parent, '/');
+    if (cut) *cut = 0;
+    for (int i = 0; i < conf.ncg; i++) {
+        const char *h = conf.cg[i], *name = base_name(h);
+        int cpuset = strcmp(name, "cpuset") == 0;
+        snprintf(parent, sizeof parent, "%s/%s", h, cut ? rel_parent : "");
+        snprintf(dir, sizeof dir, "%s/%s", h, r->cgroup);
+        if (cut && mkdir(parent, 0755) < 0 && errno != EEXIST) goto failed;
+        if (cut && cpuset && cpuset_inherit(parent, h) < 0) goto failed;
+        if (mkdir(dir, 0755) < 0) goto failed;
+        if (cpuset && cpuset_inherit(dir, parent) < 0) goto failed;
+        if (strcmp(name, "memory") == 0 && r->mem[0]) {
+            if (write_file(dir, "memory.limit_in_bytes", r->mem) < 0) goto failed;
+            if (write_file(dir, "memory.memsw.limit_in_bytes", r->mem) < 0 && errno != ENOENT) goto failed;
+        } else if (strcmp(name, "pids") == 0 && r->pids[0]) {
+            if (write_file(dir, "pids.max", r->pids) < 0) goto failed;
+        } else if (strcmp(name, "cpu") == 0) {
+            if (write_file(dir, "cpu.shares", r->shares) < 0) goto failed;
+            if (r->quota[0]) {
+                if (write_file(dir, "cpu.cfs_period_us", r->period) < 0) goto failed;
+                if (write_file(dir, "cpu.cfs_quota_us", r->quota) < 0) goto failed;
+            }
+        } else if (strcmp(name, "devices") == 0) {
+            if (write_file(dir, "devices.deny", "a") < 0) goto failed;
+            for (int d = 0; d < conf.ndev; d++)
+                if (write_file(dir, "devices.allow", conf.dev[d]) < 0) goto failed;
+        }
+    }
+    return NULL;
+failed:
+    snprintf(why, sizeof why, "cgroup %s: %s", dir, strerror(errno));
+    return why;
+}
+
+static const char *join_cgroup(const struct request *r, pid_t pid) {
+    static char why[4800];
+    char dir[4096], text[32];
+    snprintf(text, sizeof text, "%d", pid);
+    for (int i = 0; i < conf.ncg; i++) {
+        snprintf(dir, sizeof dir, "%s/%s", conf.cg[i], r->cgroup);
+        if (write_file(dir, "cgroup.procs", text) < 0) {
+            snprintf(why, sizeof why, "joining cgroup %s: %s", dir, strerror(errno));
+            return why;
+        }
+    }
+    return NULL;
+}
+
+static void create(const struct request *r, int listen_fd) {
+    int sync[2] = {-1, -1}, status[2] = {-1, -1}, log_fd = -1;
+    const char *why;
+    if (!conf.ready) {
+        reply("%s err the launcher got no init message", r->id);
+        return;
+    }
+    if (npending >= MAX_PENDING) {
+        reply("%s err too many creates in flight", r->id);
+        return;
+    }
+    if (listen_fd < 0) {
+        reply("%s err no listening socket came with the request", r->id);
+        return;
+    }
+    if ((why = make_cgroup(r))) {
+        reply("%s err %s", r->id, why);
+        return;
+    }
+    log_fd = open(r->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (log_fd < 0 || pipe2(sync, O_CLOEXEC) < 0 || pipe2(status, O_CLOEXEC) < 0) {
+        reply("%s err %s: %s", r->id, log_fd < 0 ? r->log : "pipe", strerror(errno));
+        goto out;
+    }
+    unsigned long flags = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNS | SIGCHLD;
+    pid_t pid = syscall(SYS_clone, flags, NULL, NULL, NULL, NULL);
+    if (pid < 0) {
+        reply("%s err clone: %s", r->id, strerror(errno));
+        goto out;
+    }
+    if (pid == 0) {
+        close(sync[1]);
+        close(status[0]);
+        status_fd = status[1];
+        child(r, sync[0], listen_fd, log_fd);
+    }
+    close(sync[0]);
+    sync[0] = -1;
+    close(status[1]);
+    status[1] = -1;
+    if ((why = join_cgroup(r, pid))) { /* the child never ran a step of its own: its sync read gets EOF */
+        kill(pid, SIGKILL);
+        reply("%s err %s", r->id, why);
+        goto out;
+    }
+    if (write(sync[1], "g", 1) != 1) {
+        kill(pid, SIGKILL);
+        reply("%s err starting the sandbox: %s", r->id, strerror(errno));
+        goto out;
+    }
+    pending[npending].fd = status[0];
+    pending[npending].pid = pid;
+    snprintf(pending[npending].id, sizeof pending[npending].id, "%s", r->id);
+    npending++;
+    status[0] = -1;
+out:
+    for (int *fd = (int[]){sync[0], sync[1], status[0], status[1], log_fd}, n = 0; n < 5; n++)
+        if (fd[n] >= 0) close(fd[n]);
+}
+
+/* The child's status pipe closed (exec'd: the agent runs) or carried its reason */
+static void finish(int i) {
+    char buf[700];
+    ssize_t n = read(pending[i].fd, buf, sizeof buf - 1);
+    if (n < 0 && errno == EINTR) return;
+    if (n > 0) {
+        buf[n] = 0;
+        reply("%s err %s", pending[i].id, buf);
+    } else {
+        reply("%s ok %d", pending[i].id, pending[i].pid);
+    }
+    close(pending[i].fd);
+    pending[i] = pending[--npending];
+}
+
+/* ------------------------------------------------------------------ requests */
+
+static int hexval(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+static int init(char **fields, int nfields) {
+    for (int i = 0; i < nfields; i++) {
+        char *k = fields[i], *v = strchr(k, '=');
+        if (!v) continue;
+        *v++ = 0;
+        if (!strcmp(k, "agent")) snprintf(conf.agent, sizeof conf.agent, "%s", v);
+        else if (!strcmp(k, "nofile")) conf.nofile = atol(v);
+        else if (!strcmp(k, "caps")) conf.caps = strtoull(v, NULL, 16);
+        else if (!strcmp(k, "capmax")) conf.capmax = atoi(v);
+        else if (!strcmp(k, "mask") && conf.nmask < MAX_LIST) conf.mask[conf.nmask++] = strdup(v);
+        else if (!strcmp(k, "ro") && conf.nro < MAX_LIST) conf.ro[conf.nro++] = strdup(v);
+        else if (!strcmp(k, "cg") && conf.ncg < MAX_LIST) conf.cg[conf.ncg++] = strdup(v);
+        else if (!strcmp(k, "dev") && conf.ndev < MAX_LIST) conf.dev[conf.ndev++] = strdup(v);
+        else if (!strcmp(k, "bpf")) {
+            size_t len = strlen(v) / 2;
+            if (len % sizeof(struct sock_filter) || len == 0) return -1;
+            unsigned char *bytes = malloc(len);
+            for (size_t j = 0; j < len; j++) {
+                int hi = hexval(v[2 * j]), lo = hexval(v[2 * j + 1]);
+                if (hi < 0 || lo < 0) return -1;
+                bytes[j] = hi << 4 | lo;
+            }
+            conf.bpf = (struct sock_filter *)bytes;
+            conf.bpf_len = len / sizeof(struct sock_filter);
+        }
+    }
+    if (!conf.agent[0] || !conf.bpf || !conf.nofile || !conf.ncg) return -1;
+    conf.ready = 1;
+    return 0;
+}
+
+static void handle(char *msg, size_t len, int fd) {
+    char *fields[4 * MAX_LIST];
+    int n = 0;
+    for (size_t at = 0; at < len && n < 4 * MAX_LIST;) {
+        fields[n++] = msg + at;
+        at += strlen(msg + at) + 1;
+    }
+    if (n == 0) goto out;
+    if (!strcmp(fields[0], "op=init")) {
+        if (init(fields + 1, n - 1) < 0) reply("init err incomplete or malformed init message");
+        else reply("init ok 0");
+        goto out;
+    }
+    struct request r = {"?", "", "", "", "", "", "", "1024", "", "", "sandbox"};
+    for (int i = 1; i < n; i++) {
+        char *k = fields[i], *v = strchr(k, '=');
+        if (!v) continue;
+        *v++ = 0;
+        const char **slot = !strcmp(k, "id")         ? &r.id
+                            : !strcmp(k, "rootfs")   ? &r.rootfs
+                            : !strcmp(k, "overlay")  ? &r.overlay
+                            : !strcmp(k, "log")      ? &r.log
+                            : !strcmp(k, "cgroup")   ? &r.cgroup
+                            : !strcmp(k, "mem")      ? &r.mem
+                            : !strcmp(k, "pids")     ? &r.pids
+                            : !strcmp(k, "shares")   ? &r.shares
+                            : !strcmp(k, "quota")    ? &r.quota
+                            : !strcmp(k, "period")   ? &r.period
+                            : !strcmp(k, "hostname") ? &r.hostname
+                                                     : NULL;
+        if (slot) *slot = v;
+    }
+    if (strcmp(fields[0], "op=create") || !r.rootfs[0] || !r.overlay[0] || !r.log[0] || !r.cgroup[0] ||
+        strstr(r.cgroup, "..")) {
+        reply("%s err malformed request", r.id);
+        goto out;
+    }
+    create(&r, fd);
+out:
+    if (fd >= 0) close(fd);
+}
+
+int main(void) {
+    static char msg[MSG_MAX];
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &chld, NULL);
+    int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sfd < 0 || fcntl(SOCK_FD, F_SETFD, FD_CLOEXEC) < 0) {
+        perror("shoal-launcher: setup (is fd 3 the node's socket?)");
+        return 1;
+    }
+    prctl(PR_SET_NAME, "shoal-launcher", 0, 0, 0);
+    for (;;) {
+        struct pollfd fds[MAX_PENDING + 2];
+        fds[0] = (struct pollfd){SOCK_FD, POLLIN, 0};
+        fds[1] = (struct pollfd){sfd, POLLIN, 0};
+        for (int i = 0; i < npending; i++) fds[i + 2] = (struct pollfd){pending[i].fd, POLLIN, 0};
+        int nfds = npending + 2;
+        if (poll(fds, nfds, -1) < 0) {
+            if (errno == EINTR) continue;
+            perror("shoal-launcher: poll");
+            return 1;
+        }
+        if (fds[1].revents) {
+            struct signalfd_siginfo info;
+            while (read(sfd, &info, sizeof info) > 0) {
+            }
+            while (waitpid(-1, NULL, WNOHANG) > 0) { /* sandboxes whose init has exited: no zombies */
+            }
+        }
+        for (int i = nfds - 1; i >= 2; i--)
+            if (fds[i].revents) finish(i - 2);
+        if (fds[0].revents) {
+            char control[CMSG_SPACE(sizeof(int))];
+            struct iovec iov = {msg, sizeof msg - 1};
+            struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control,
+                                .msg_controllen = sizeof control};
+            ssize_t n = recvmsg(SOCK_FD, &mh, MSG_CMSG_CLOEXEC);
+            if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+            if (n <= 0) return 0; /* the node closed its end (stopped or died): sandboxes keep running */
+            int fd = -1;
+            struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+            if (cm && cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) memcpy(&fd, CMSG_DATA(cm), sizeof fd);
+            msg[n] = 0;
+            handle(msg, n, fd);
+        }
+    }
+}
