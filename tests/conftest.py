@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -57,6 +58,22 @@ def _prune_old_runs(root: Path) -> None:
     for old in finished[KEEP_TEMP_RUNS:]:
         if f" {old}/" not in mounted and f" {old} " not in mounted:
             subprocess.run(["rm", "-rf", "--one-file-system", str(old)], check=False)
+
+
+def runtime_unavailable(name: str) -> str | None:
+    """Why sandboxes of container runtime `name` cannot run on this host (a skip reason), or None.
+
+    crun, runc, runsc: their binary is missing. shoal (shoal's own launcher, launcher.py): it writes cgroup v1
+    limits only and makes no user namespace, so a cgroup-v2-only host or a SHOAL_TEST_USERNS run has none."""
+    if name != "shoal":
+        return None if shutil.which(name) else f"runtime {name} is not installed on this host"
+    from shoal import cgroups
+
+    if cgroups.layout() == "v2":
+        return "runtime shoal writes cgroup v1 limits: this host has cgroup v2 only"
+    if settings.TEST_USERNS.is_set():
+        return "runtime shoal makes no user namespace: this run maps every sandbox into one (SHOAL_TEST_USERNS)"
+    return None
 
 
 def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dict[str, list[str]]:

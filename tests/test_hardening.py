@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, no_leftovers
+from conftest import NodeProcess, no_leftovers, runtime_unavailable
 
 import shoal
 from shoal import cgroups
@@ -38,15 +38,15 @@ def attempt(fn):
 # runsc (gVisor) is not in this list: there the sandbox's syscalls are served by gVisor's user-space kernel,
 # which is the boundary; unshare, clone(CLONE_NEWUSER) or syslog succeed *inside* it by design, and the OCI
 # seccomp profile is not applied (this gVisor ignores errnoRet, so clone3 would get EPERM and threads break).
-# test_gvisor_is_a_kernel_boundary covers it.
-RUNTIMES = ["crun", "runc"]
+# test_gvisor_is_a_kernel_boundary covers it. shoal is shoal's own launcher (launcher.c): the same guarantees.
+RUNTIMES = ["crun", "runc", "shoal"]
 
 
 @pytest.fixture(scope="module")
 def victim(client: shoal.Client, request: pytest.FixtureRequest) -> Iterator[shoal.Sandbox]:
     runtime = request.param
-    if shutil.which(runtime) is None:
-        pytest.skip(f"runtime {runtime} is not installed on this host")
+    if reason := runtime_unavailable(runtime):
+        pytest.skip(reason)
     with client.create("container", image="debian", runtime=runtime, pool=False) as sandbox:
         yield sandbox
 
@@ -451,12 +451,12 @@ def test_snapshot_is_never_a_path_even_locally(client: shoal.Client, tmp_path: P
 # ------------------------------------------- the same attempts under every runtime, runsc included (issue 19 item 6)
 
 
-@pytest.fixture(scope="module", params=["crun", "runc", "runsc"])
+@pytest.fixture(scope="module", params=["crun", "runc", "runsc", "shoal"])
 def any_runtime(client: shoal.Client, request: pytest.FixtureRequest) -> Iterator[shoal.Sandbox]:
     """A debian sandbox under each runtime: these attempts are judged by what reaches the host, which every
-    runtime must stop (gVisor by its own kernel, crun and runc by seccomp, capabilities and masks)."""
-    if shutil.which(request.param) is None:
-        pytest.skip(f"runtime {request.param} is not installed on this host")
+    runtime must stop (gVisor by its own kernel, crun, runc and shoal by seccomp, capabilities and masks)."""
+    if reason := runtime_unavailable(request.param):
+        pytest.skip(reason)
     with client.create(image="debian", runtime=request.param, pool=False, ttl_s=600) as sandbox:
         yield sandbox
 

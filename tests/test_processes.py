@@ -6,11 +6,11 @@ Every sandbox here has a ttl_s and is closed in a `with`, so no bomb outlives it
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Iterator
 
 import pytest
+from conftest import runtime_unavailable
 
 import shoal
 
@@ -85,7 +85,7 @@ def test_a_timeout_kills_what_escaped_with_setsid(client: shoal.Client) -> None:
         _until_empty(sb)
 
 
-CASES = [("container", "crun"), ("container", "runc"), ("container", "runsc"), ("microvm", None)]
+CASES = [*(("container", r) for r in ("crun", "runc", "runsc", "shoal")), ("microvm", None)]
 
 
 @pytest.mark.parametrize(("kind", "runtime"), CASES, ids=[r or k for k, r in CASES])
@@ -94,8 +94,8 @@ def test_kill_processes_ends_a_fork_bomb_the_exec_left(
 ) -> None:
     if kind not in client.kinds():
         pytest.skip(f"kind {kind} is not available on this node (QEMU missing)")
-    if runtime and shutil.which(runtime) is None:
-        pytest.skip(f"runtime {runtime} is not installed on this host")
+    if runtime and (reason := runtime_unavailable(runtime)):
+        pytest.skip(reason)
     if kind == "microvm":
         options, image, cmd = {"memory_mb": 512, "pids": 64}, "debian", BOMB
     elif runtime == "runsc":

@@ -149,6 +149,7 @@ def isolation_checks() -> list[Check]:
         checks.append(
             Check(f"isolation {name}", seccomp_ok, detail, f"{name} was built without seccomp: install a build with it")
         )
+    checks.append(_shoal_launcher_check(filters + profile))
     if not userns:
         max_ns = Path("/proc/sys/user/max_user_namespaces")
         ok = max_ns.exists() and int(max_ns.read_text()) > 0
@@ -184,3 +185,16 @@ def isolation_checks() -> list[Check]:
         )  # fmt: skip
     )
     return checks
+
+
+def _shoal_launcher_check(profile: str) -> Check:
+    """runtime="shoal" (the node's own launcher): usable here, and what it enforces (crun's bundle's guarantees)."""
+    from shoal.errors import InvalidRequestError
+    from shoal.substrates.container import launcher
+
+    try:
+        launcher.check_host(settings.USERNS.get())
+    except InvalidRequestError as exc:
+        return Check("isolation shoal", False, f"not usable here: {exc}", "use runtime='crun'")
+    root = "root → host root (no user namespace)"
+    return Check("isolation shoal", True, f"pre-forked launcher, crun's guarantees: {profile}{root}")

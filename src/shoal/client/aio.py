@@ -269,7 +269,8 @@ class AsyncClient:
             kind: "container" (default), "microvm", "vm" (QEMU on the node) or "function".
             image: the image to run (`images()` lists them; builtin ones are built on first use).
             layers: images whose layers stack on top of `image`, bottom first.
-            runtime: the OCI runtime of a container: "crun" (default), "runc" or "runsc" (gVisor).
+            runtime: the runtime of a container: "crun" (default), "runc", "runsc" (gVisor) or "shoal" (the
+                node's own pre-forked launcher: crun's isolation, cheaper creates; cgroup v1 hosts, no userns).
             cpu: cores it may use (a cgroup quota); None: no limit.
             memory_mb: memory limit in MiB; None: the node's default for the kind.
             pids: most processes at once (a fork bomb stops here).

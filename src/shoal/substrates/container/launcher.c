@@ -8,7 +8,7 @@
  * Protocol (a SOCK_SEQPACKET socketpair on fd 3; one message per request, NUL-separated "key=value" fields):
  *   node -> launcher: "op=init" with agent=, nofile=, caps=<hex mask>, capmax=, bpf=<hex>, mask=<path>...,
  *                     ro=<path>..., cg=<hierarchy dir>..., dev=<devices.allow line>...
- *                     "op=create" with id=, rootfs=, overlay=, log=, cgroup=<relative path>, mem=, pids=,
+ *                     "op=create" with id=, rootfs=, overlay=, log=, pidfile=, cgroup=<relative path>, mem=, pids=,
  *                     shares=, quota=, period=, hostname=; the agent's listening socket rides along
  *                     (SCM_RIGHTS) and becomes the sandbox's fd 3.
  *   launcher -> node: "<id> ok <pid>" once the agent has been exec'd, or "<id> err <reason>".
@@ -58,7 +58,7 @@ static struct {
 } conf;
 
 struct request {
-    const char *id, *rootfs, *overlay, *log, *cgroup, *mem, *pids, *shares, *quota, *period, *hostname;
+    const char *id, *rootfs, *overlay, *log, *pidfile, *cgroup, *mem, *pids, *shares, *quota, *period, *hostname;
 };
 
 struct pending {
@@ -371,6 +371,18 @@ static void create(const struct request *r, int listen_fd) {
         reply("%s err %s", r->id, why);
         goto out;
     }
+    if (r->pidfile[0]) { /* as `crun run --pid-file`: for whoever looks for the sandbox's init later */
+        char text[32];
+        int n = snprintf(text, sizeof text, "%d", pid);
+        int fd = open(r->pidfile, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+        if (fd < 0 || write(fd, text, n) != n) {
+            kill(pid, SIGKILL);
+            reply("%s err %s: %s", r->id, r->pidfile, strerror(errno));
+            if (fd >= 0) close(fd);
+            goto out;
+        }
+        close(fd);
+    }
     if (write(sync[1], "g", 1) != 1) {
         kill(pid, SIGKILL);
         reply("%s err starting the sandbox: %s", r->id, strerror(errno));
@@ -454,7 +466,7 @@ static void handle(char *msg, size_t len, int fd) {
         else reply("init ok 0");
         goto out;
     }
-    struct request r = {"?", "", "", "", "", "", "", "1024", "", "", "sandbox"};
+    struct request r = {"?", "", "", "", "", "", "", "", "1024", "", "", "sandbox"};
     for (int i = 1; i < n; i++) {
         char *k = fields[i], *v = strchr(k, '=');
         if (!v) continue;
@@ -463,6 +475,7 @@ static void handle(char *msg, size_t len, int fd) {
                             : !strcmp(k, "rootfs")   ? &r.rootfs
                             : !strcmp(k, "overlay")  ? &r.overlay
                             : !strcmp(k, "log")      ? &r.log
+                            : !strcmp(k, "pidfile")  ? &r.pidfile
                             : !strcmp(k, "cgroup")   ? &r.cgroup
                             : !strcmp(k, "mem")      ? &r.mem
                             : !strcmp(k, "pids")     ? &r.pids

@@ -234,6 +234,7 @@ def _launch_fields(
         ("rootfs", overlay.target),
         ("overlay", overlay.options),
         ("log", str(instance.directory / "runtime.log")),
+        ("pidfile", str(instance.directory / "pid")),
         ("cgroup", instance.cgroup_path.strip("/")),
         ("shares", str(cpu_shares(cpu))),
         ("hostname", "sandbox"),

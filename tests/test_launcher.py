@@ -1,0 +1,220 @@
+"""runtime="shoal": shoal's own pre-forked launcher (substrates/container/launcher.c) instead of an OCI runtime.
+
+The escape attempts run under it in tests/test_hardening.py; here: it gives a sandbox what crun gives (limits,
+mounts, devices, capabilities, seccomp), pause/resume, no leftovers after a close, a create that fails
+halfway or is cancelled, a killed launcher, and a SIGKILLed node whose successor re-adopts its sandboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import NodeProcess, leftovers, no_leftovers, runtime_unavailable, sandbox_roots
+
+import shoal
+from shoal import cgroups
+from shoal.errors import InvalidRequestError, SandboxLostError
+from shoal.images import Image
+from shoal.images.store import ImageConfig
+from shoal.protocol import SandboxSpec
+from shoal.substrates.container import launcher
+from shoal.substrates.container.substrate import ContainerSubstrate
+
+pytestmark = pytest.mark.skipif(bool(runtime_unavailable("shoal")), reason=runtime_unavailable("shoal") or "")
+
+# What a sandbox sees of its own isolation: mounts (point and per-mount flags), /dev, capabilities, seccomp,
+# no_new_privs, hostname, open-file limit, its cgroup namespace's view.
+SELF_VIEW = (
+    "awk '{print $5, $6}' /proc/self/mountinfo | sed 's/,relatime//; s/,nosuid,nodev,noexec//' | sort; "
+    "ls -l /dev /dev/pts | awk '{print $1, $5, $6, $NF}'; "
+    "grep -E '^(Cap|NoNewPrivs|Seccomp)' /proc/self/status; hostname; ulimit -n; cat /proc/self/cgroup"
+)
+LIMITS = [
+    ("memory", "memory.limit_in_bytes"),
+    ("memory", "memory.memsw.limit_in_bytes"),
+    ("pids", "pids.max"),
+    ("cpu", "cpu.shares"),
+    ("cpu", "cpu.cfs_quota_us"),
+    ("cpu", "cpu.cfs_period_us"),
+    ("devices", "devices.list"),
+    ("cpuset", "cpuset.cpus"),
+    ("cpuset", "cpuset.mems"),
+]
+
+
+def _limits(node: NodeProcess, sandbox_id: str) -> dict[str, str]:
+    rel = f"{node.cgroup_parent}/{sandbox_id}"
+    found = {}
+    for hierarchy, name in LIMITS:
+        path = cgroups.ROOT / hierarchy / rel / name
+        found[name] = path.read_text() if path.exists() else "(none)"
+    found["hierarchies"] = " ".join(sorted(p.name for p in cgroups.ROOT.iterdir() if (p / rel).is_dir()))
+    return found
+
+
+def _agent_cgroup(node: NodeProcess, sandbox_id: str) -> str:
+    pid = (node.home / "sandboxes" / sandbox_id / "pid").read_text()
+    return "".join(sorted(Path(f"/proc/{pid}/cgroup").read_text().splitlines(keepends=True)))
+
+
+def test_a_shoal_sandbox_gets_what_crun_gives(node: NodeProcess, client: shoal.Client) -> None:
+    shape = {"memory_mb": 128, "pids": 50, "cpu": 0.5, "pool": False, "ttl_s": 300}
+    with (
+        client.create(image="debian", runtime="crun", **shape) as crun,
+        client.create(image="debian", runtime="shoal", **shape) as own,
+    ):
+        assert "shoal" in (node.home / "sandboxes" / own.id / "record.json").read_text()
+        assert own.exec(SELF_VIEW).stdout == crun.exec(SELF_VIEW).stdout
+        assert _limits(node, own.id) == _limits(node, crun.id)
+        assert _agent_cgroup(node, own.id).replace(own.id, "X") == _agent_cgroup(node, crun.id).replace(crun.id, "X")
+        # the overlay is mounted in the sandbox's own mount namespace only, as with crun
+        assert leftovers(node.home, node.cgroup_parent)["mounts"] == []
+        pid = (node.home / "sandboxes" / own.id / "pid").read_text()
+        assert pid in sandbox_roots(node.home, node.cgroup_parent)
+        own.files.write("/note", "written")
+        assert own.exec("cat /note").stdout == "written"
+
+
+def test_pause_resume_and_close_leave_nothing(tmp_path: Path) -> None:
+    node = NodeProcess(tmp_path / "home", f"shoal-test-launcher-{os.getpid()}").start()
+    try:
+        with node.client() as client:
+            sb = client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300)
+            sb.exec("sleep 1000 >/dev/null 2>&1 &")
+            sb.pause()
+            assert client.get(sb.id).info.state == "paused"
+            freezer = cgroups.ROOT / "freezer" / node.cgroup_parent / sb.id / "freezer.state"
+            assert freezer.read_text().strip() == "FROZEN"
+            sb.resume()
+            assert freezer.read_text().strip() == "THAWED"
+            assert "sleep 1000" in sb.exec("ps").stdout
+            sb.close()
+            for _ in range(3):  # one after another: the launcher serves every create
+                with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as again:
+                    assert again.exec("echo $((6*7))").stdout == "42\n"
+            assert not no_leftovers(node.home, node.cgroup_parent)
+            launchers = _launchers(node.pid)
+            assert len(launchers) == 1
+            os.kill(launchers[0], signal.SIGKILL)  # a lost launcher: the next create starts another
+            _until(lambda: not _launchers(node.pid))
+            with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as after:
+                assert after.exec("echo again").stdout == "again\n"
+            assert not no_leftovers(node.home, node.cgroup_parent)
+    finally:
+        node.stop()
+    assert not _launchers(node.pid)
+    assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
+def test_sigkilled_node_leaves_shoal_sandboxes_running_and_its_successor_adopts_them(tmp_path: Path) -> None:
+    doomed = NodeProcess(tmp_path / "home", f"shoal-test-launcher-recover-{os.getpid()}").start()
+    restarted = None
+    try:
+        with doomed.client() as client:
+            kept = [client.create(image="busybox", runtime="shoal", pool=False, ttl_s=600) for _ in range(2)]
+            for i, sb in enumerate(kept):
+                sb.files.write("/kept", f"file {i}")
+                sb.exec("sleep 1000 >/dev/null 2>&1 &")
+            kept[1].pause()
+            launcher_pid = _launchers(doomed.pid)[0]
+        doomed.stop(signal.SIGKILL)
+        _until(lambda: not Path(f"/proc/{launcher_pid}").exists())  # its socket closed: it exited
+        found = leftovers(doomed.home, doomed.cgroup_parent)
+        assert len(found["agents"]) == 2 and found["mounts"] == []  # still running, reparented, no zombie
+        restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
+        with restarted.client() as client:
+            assert sorted(client.status()["adopted"]) == sorted(s.id for s in kept)
+            for i, sb in enumerate(kept):
+                again = client.get(sb.id)
+                assert again.files.read_text("/kept") == f"file {i}"  # the paused one: resumed transparently
+                assert "sleep 1000" in again.exec("ps").stdout
+            assert client.close_all() == 2
+        assert not no_leftovers(restarted.home, restarted.cgroup_parent)
+    finally:
+        if restarted is None:
+            doomed.stop(signal.SIGKILL)
+            restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
+        restarted.stop()
+    assert not no_leftovers(doomed.home, doomed.cgroup_parent, node_stopped=True)
+
+
+async def test_creates_that_fail_halfway_or_are_cancelled_leave_nothing(tmp_path: Path) -> None:
+    """Driven through the container substrate itself: a layer that does not exist makes the launcher's child
+    fail at the overlay (after the cgroup, pid file and namespaces were made); cancels land at every stage."""
+    home = tmp_path / "home"
+    (home / "sandboxes").mkdir(parents=True)
+    parent = f"shoal-test-launcher-cancel-{os.getpid()}"
+    substrate = ContainerSubstrate(home / "sandboxes", home / "runtime", cgroup_parent=parent)
+    empty = tmp_path / "layer"  # the agent is static and bind-mounted: an empty root filesystem runs it
+    empty.mkdir()
+    spec = SandboxSpec(image="empty", runtime="shoal", memory_mb=64, pids=32)
+    good = Image(name="empty", layers=(empty,), config=ImageConfig())
+    broken = Image(name="broken", layers=(tmp_path / "missing",), config=ImageConfig())
+    try:
+        with pytest.raises(SandboxLostError, match="overlay"):
+            await substrate.create("fail-1", spec, broken)
+        made = await substrate.create("ok-1", spec, good)
+        assert made.pid and f"/{parent}/ok-1" in Path(f"/proc/{made.pid}/cgroup").read_text()
+        await substrate.destroy(made)
+        for i in range(12):  # cancelled after 0, 1, 2 ... ms: before the request, in the launcher, after
+            task = asyncio.ensure_future(substrate.create(f"cancel-{i}", spec, good))
+            await asyncio.sleep(i / 1000)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                continue
+            await substrate.destroy(task.result())  # it finished before the cancel
+        found = {k: v for k, v in leftovers(home, parent).items() if v}
+        assert not found, found
+        _until(lambda: _zombies(_launchers(os.getpid())) == [])  # each init reaped by the launcher
+    finally:
+        await substrate.close()
+        for directory in cgroups.sandbox_dirs(f"/{parent}"):
+            directory.rmdir()
+
+
+def test_the_runtime_refuses_what_it_does_not_do(client: shoal.Client) -> None:
+    with pytest.raises(InvalidRequestError, match="SHOAL_USERNS"):
+        launcher.check_host(100000)
+    with pytest.raises(shoal.InvalidRequestError, match="shoal"):  # the list of runtimes names it
+        client.create(image="busybox", runtime="nope")
+
+
+def _launchers(parent: int) -> list[int]:
+    """shoal-launcher processes whose parent is `parent`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                stat = (proc / "stat").read_text()
+            except OSError:
+                continue
+            name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+            if name == "shoal-launcher" and int(rest[1]) == parent:
+                found.append(int(proc.name))
+    return found
+
+
+def _zombies(parents: list[int]) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "Z" and int(fields[1]) in parents:
+            found.append(int(proc.name))
+    return found
+
+
+def _until(condition, timeout: float = 30.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
