@@ -179,6 +179,39 @@ async def test_creates_that_fail_halfway_or_are_cancelled_leave_nothing(tmp_path
             directory.rmdir()
 
 
+async def test_links_an_image_plants_lead_nowhere_on_the_host(tmp_path: Path) -> None:
+    """A layer whose /.shoal, /dev, /proc or a tmpfs path is a symlink to a host directory: everything the
+    launcher makes or mounts in the sandbox's root is resolved inside that root (it pivots first), so the
+    host directory stays empty whether the create then fails or not."""
+    home = tmp_path / "home"
+    (home / "sandboxes").mkdir(parents=True)
+    parent = f"shoal-test-launcher-links-{os.getpid()}"
+    substrate = ContainerSubstrate(home / "sandboxes", home / "runtime", cgroup_parent=parent)
+    host = tmp_path / "host"
+    host.mkdir()
+    try:
+        for i, name in enumerate([".shoal", "dev", "proc", "sys", "scratch"]):
+            layer = tmp_path / f"layer-{i}"
+            layer.mkdir()
+            (layer / name).symlink_to(host)
+            image = Image(name=f"links-{i}", layers=(layer,), config=ImageConfig())
+            spec = SandboxSpec(image=image.name, runtime="shoal", tmpfs=["/scratch"] if name == "scratch" else [])
+            try:
+                made = await substrate.create(f"links-{i}", spec, image)
+            except SandboxLostError:
+                pass
+            else:
+                await substrate.destroy(made)
+            assert list(host.iterdir()) == [], name
+            assert not [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(host) in line]
+        found = {k: v for k, v in leftovers(home, parent).items() if v}
+        assert not found, found
+    finally:
+        await substrate.close()
+        for directory in cgroups.sandbox_dirs(f"/{parent}"):
+            directory.rmdir()
+
+
 def test_the_runtime_refuses_what_it_does_not_do(client: shoal.Client) -> None:
     with pytest.raises(InvalidRequestError, match="SHOAL_USERNS"):
         launcher.check_host(100000)

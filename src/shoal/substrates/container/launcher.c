@@ -9,7 +9,7 @@
  *   node -> launcher: "op=init" with agent=, nofile=, caps=<hex mask>, capmax=, bpf=<hex>, mask=<path>...,
  *                     ro=<path>..., cg=<hierarchy dir>..., dev=<devices.allow line>...
  *                     "op=create" with id=, rootfs=, overlay=, log=, pidfile=, cgroup=<relative path>, mem=, pids=,
- *                     shares=, quota=, period=, hostname=; the agent's listening socket rides along
+ *                     shares=, quota=, period=, hostname=, tmpfs=<path>...; the agent's listening socket rides along
  *                     (SCM_RIGHTS) and becomes the sandbox's fd 3.
  *   launcher -> node: "<id> ok <pid>" once the agent has been exec'd, or "<id> err <reason>".
  * The launcher exits when the node's end closes (the node stopped or died); sandboxes keep running.
@@ -59,6 +59,8 @@ static struct {
 
 struct request {
     const char *id, *rootfs, *overlay, *log, *pidfile, *cgroup, *mem, *pids, *shares, *quota, *period, *hostname;
+    const char *tmpfs[MAX_LIST];
+    int ntmpfs;
 };
 
 struct pending {
@@ -147,10 +149,20 @@ static void readonly_path(const char *root, const char *p) {
     if (mount(NULL, path, NULL, flags, NULL) < 0) fail("readonly", path);
 }
 
+static void mkdir_p(const char *path) {
+    char at[4096];
+    join(at, sizeof at, "", path);
+    for (char *slash = strchr(at + 1, '/');; slash = strchr(slash + 1, '/')) {
+        if (slash) *slash = 0;
+        if (mkdir(at, 0755) < 0 && errno != EEXIST) fail("mkdir", at);
+        if (!slash) return;
+        *slash = '/';
+    }
+}
+
 static void child(const struct request *r, int sync_fd, int listen_fd, int log_fd) {
     char c;
-    const char *root = r->rootfs;
-    char path[4096];
+    const char *root = ""; /* every path below is the sandbox's: made after pivot_root, see there */
     if (read(sync_fd, &c, 1) != 1) _exit(1); /* the parent could not place us in the cgroup */
     close(sync_fd);
     sigset_t none;
@@ -159,7 +171,19 @@ static void child(const struct request *r, int sync_fd, int listen_fd, int log_f
     if (setsid() < 0) fail("setsid", NULL);
     if (unshare(CLONE_NEWCGROUP) < 0) fail("unshare", "cgroup"); /* rooted at the sandbox's cgroup */
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail("make private", "/");
-    if (mount("overlay", root, "overlay", 0, r->overlay) < 0) fail("mount overlay", root);
+    if (mount("overlay", r->rootfs, "overlay", 0, r->overlay) < 0) fail("mount overlay", r->rootfs);
+    /* the host's agent binary as a detached read-only mount, attached at /.shoal/agent below */
+    int agent_fd = open_tree(AT_FDCWD, conf.agent, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+    if (agent_fd < 0) fail("open_tree", conf.agent);
+    struct mount_attr attr = {.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV};
+    if (mount_setattr(agent_fd, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0) fail("mount_setattr", conf.agent);
+    /* pivot_root first, so that every path made or mounted on from here is resolved inside the sandbox's own
+     * root: a symlink the image planted (/dev -> /etc, /.shoal -> /root) leads nowhere outside it (the host's
+     * root is detached), where before the pivot it would lead into the host's tree */
+    if (chdir(r->rootfs) < 0) fail("chdir", r->rootfs);
+    if (syscall(SYS_pivot_root, ".", ".") < 0) fail("pivot_root", r->rootfs);
+    if (umount2(".", MNT_DETACH) < 0) fail("umount", "old root");
+    if (chdir("/") < 0) fail("chdir", "/");
     mount_or_fail("proc", root, "/proc", "proc", MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
     mount_or_fail("tmpfs", root, "/dev", "tmpfs", MS_NOSUID | MS_STRICTATIME, "mode=755,size=65536k");
     mount_or_fail("devpts", root, "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
@@ -167,15 +191,17 @@ static void child(const struct request *r, int sync_fd, int listen_fd, int log_f
     mount_or_fail("shm", root, "/dev/shm", "tmpfs", MS_NOSUID | MS_NOEXEC | MS_NODEV, "mode=1777,size=65536k");
     mount_or_fail("mqueue", root, "/dev/mqueue", "mqueue", MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
     mount_or_fail("sysfs", root, "/sys", "sysfs", MS_NOSUID | MS_NOEXEC | MS_NODEV | MS_RDONLY, NULL);
-    join(path, sizeof path, root, "/.shoal");
-    if (mkdir(path, 0755) < 0 && errno != EEXIST) fail("mkdir", path);
-    join(path, sizeof path, root, "/.shoal/agent");
-    int fd = open(path, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0755);
-    if (fd < 0) fail("create", path);
+    if (mkdir("/.shoal", 0755) < 0 && errno != EEXIST) fail("mkdir", "/.shoal");
+    int fd = open("/.shoal/agent", O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0755);
+    if (fd < 0) fail("create", "/.shoal/agent");
     close(fd);
-    if (mount(conf.agent, path, NULL, MS_BIND, NULL) < 0) fail("bind", path);
-    if (mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL) < 0)
-        fail("remount", path);
+    if (move_mount(agent_fd, "", AT_FDCWD, "/.shoal/agent", MOVE_MOUNT_F_EMPTY_PATH) < 0)
+        fail("move_mount", "/.shoal/agent");
+    close(agent_fd);
+    for (int i = 0; i < r->ntmpfs; i++) { /* sandbox root owns them; what is written counts as its memory */
+        mkdir_p(r->tmpfs[i]);
+        if (mount("tmpfs", r->tmpfs[i], "tmpfs", MS_NOSUID | MS_NODEV, "mode=755") < 0) fail("mount", r->tmpfs[i]);
+    }
     make_dev(root, "/dev/null", 1, 3);
     make_dev(root, "/dev/zero", 1, 5);
     make_dev(root, "/dev/full", 1, 7);
@@ -199,10 +225,6 @@ static void child(const struct request *r, int sync_fd, int listen_fd, int log_f
     if (dup2(hi_null, 0) < 0 || dup2(hi_log, 1) < 0 || dup2(hi_log, 2) < 0 || dup2(hi_listen, SOCK_FD) < 0)
         fail("dup2", NULL);
     if (syscall(SYS_close_range, 4, ~0U, 4 /* CLOSE_RANGE_CLOEXEC */) < 0) fail("close_range", NULL);
-    if (chdir(root) < 0) fail("chdir", root);
-    if (syscall(SYS_pivot_root, ".", ".") < 0) fail("pivot_root", root);
-    if (umount2(".", MNT_DETACH) < 0) fail("umount", "old root");
-    if (chdir("/") < 0) fail("chdir", "/");
     if (sethostname(r->hostname, strlen(r->hostname)) < 0) fail("sethostname", r->hostname);
     struct rlimit rl = {conf.nofile, conf.nofile};
     if (setrlimit(RLIMIT_NOFILE, &rl) < 0) fail("setrlimit", "NOFILE");
@@ -466,7 +488,8 @@ static void handle(char *msg, size_t len, int fd) {
         else reply("init ok 0");
         goto out;
     }
-    struct request r = {"?", "", "", "", "", "", "", "", "1024", "", "", "sandbox"};
+    struct request r = {.id = "?", .rootfs = "", .overlay = "", .log = "", .pidfile = "", .cgroup = "", .mem = "",
+                        .pids = "", .shares = "1024", .quota = "", .period = "", .hostname = "sandbox"};
     for (int i = 1; i < n; i++) {
         char *k = fields[i], *v = strchr(k, '=');
         if (!v) continue;
@@ -485,6 +508,13 @@ static void handle(char *msg, size_t len, int fd) {
                             : !strcmp(k, "hostname") ? &r.hostname
                                                      : NULL;
         if (slot) *slot = v;
+        if (!strcmp(k, "tmpfs")) {
+            if (r.ntmpfs == MAX_LIST || v[0] != '/' || strstr(v, "..")) {
+                reply("%s err tmpfs path %s refused", r.id, v);
+                goto out;
+            }
+            r.tmpfs[r.ntmpfs++] = v;
+        }
     }
     if (strcmp(fields[0], "op=create") || !r.rootfs[0] || !r.overlay[0] || !r.log[0] || !r.cgroup[0] ||
         strstr(r.cgroup, "..")) {

@@ -102,6 +102,7 @@ class ContainerSubstrate(Substrate):
                 listener = _listen(instance.agent_socket)
                 cpu = spec.cpu if spec.cpu is not None else self.default_cpu
                 fields = _launch_fields(instance, overlay, cpu, spec.memory_mb, spec.pids)
+                fields += [("tmpfs", path) for path in spec.tmpfs]
                 known = functools.partial(setattr, instance, "pid")  # for the cleanup, even when cancelled
                 pid = await self._launcher.create(fields, listener.fileno(), known)
                 instance.rootfs = f"/proc/{pid}/root"
