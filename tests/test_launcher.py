@@ -63,7 +63,7 @@ def _agent_cgroup(node: NodeProcess, sandbox_id: str) -> str:
 
 
 def test_a_shoal_sandbox_gets_what_crun_gives(node: NodeProcess, client: shoal.Client) -> None:
-    shape = {"memory_mb": 128, "pids": 50, "cpu": 0.5, "pool": False, "ttl_s": 300}
+    shape = {"memory_mb": 128, "pids": 50, "cpu": 0.5, "tmpfs": ["/scratch/deep"], "pool": False, "ttl_s": 300}
     with (
         client.create(image="debian", runtime="crun", **shape) as crun,
         client.create(image="debian", runtime="shoal", **shape) as own,
