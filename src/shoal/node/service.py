@@ -623,6 +623,7 @@ class NodeService:
 
     async def _destroy_now(self, sandbox: Sandbox) -> None:
         sandbox.agent.close()  # the exec connections the agent client keeps
+        sandbox.close_files()
         try:
             if sandbox.screen is not None:
                 await sandbox.screen.close()
@@ -835,7 +836,7 @@ class NodeService:
             raise InvalidRequestError("empty command")
         uid, gid = (await self._resolve_user(sandbox, req.user)) if req.user else (sandbox.uid, sandbox.gid)
         cap = req.output_cap_bytes or sandbox.spec.output_cap_bytes or self.settings.output_cap_bytes
-        ooms = cgroups.oom_kills(sandbox.instance.cgroup_path) if sandbox.spec.memory_mb else 0
+        ooms = sandbox.oom_kills() if sandbox.spec.memory_mb else 0
         start = time.monotonic()
         try:
             run = await sandbox.agent.exec_run(
@@ -906,7 +907,7 @@ class NodeService:
         finally:
             run.close()
         exit_info = None if killed_inside else run.exit
-        oom = bool(sandbox.spec.memory_mb) and cgroups.oom_kills(sandbox.instance.cgroup_path) > ooms
+        oom = bool(sandbox.spec.memory_mb) and sandbox.oom_kills() > ooms
         return ExecResult(
             exit_code=exit_info.exit_code if exit_info else 137,
             stdout=bytes(run.stdout),
