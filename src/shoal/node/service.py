@@ -1424,10 +1424,15 @@ class NodeService:
         return await self.functions.call(spec, call, timeout, sandbox_id)
 
     async def fn_map(
-        self, spec: SandboxSpec, call: dict[str, Any], items: list[Any], timeout: float | None = None
+        self,
+        spec: SandboxSpec,
+        call: dict[str, Any],
+        items: list[Any],
+        timeout: float | None = None,
+        isolation: str = "item",
     ) -> list[dict[str, Any]]:
         self._validate(spec)
-        return await self.functions.map(spec, call, items, timeout)
+        return await self.functions.map(spec, call, items, timeout, isolation)
 
     async def fn_run_code(
         self,
