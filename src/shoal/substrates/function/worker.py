@@ -40,6 +40,7 @@ import traceback
 WRITABLE = ("/work", "/tmp", "/var/tmp", "/dev/shm")
 CLOSE_TO_CALLS = ("/run/lock", "/dev/mqueue", "/var/lock")
 RESULT_FD = 3
+GO_ON_FD = 4  # a batch's shared child: reads a byte here after each item's result (the worker cut its output)
 MAX_RESULT = 64 << 20
 MAX_FILE = 256 << 20
 _LEN = struct.Struct(">I")
@@ -392,7 +393,7 @@ class Worker:
             os.environ.update(env)
             self.environ = dict(env)
 
-    def child(self, step: dict, cwd: str, env: dict, fds: tuple[int, int, int, int]) -> None:
+    def child(self, step: dict, cwd: str, env: dict, fds: tuple[int, int, int, int], go_on: int = -1) -> None:
         """In the forked child: join the call cgroup, drop privileges, run. Never returns."""
         stdin_r, out_w, err_w, result_w = fds
         gc.disable()  # short-lived: collecting would only copy pages shared with the worker
@@ -404,7 +405,9 @@ class Worker:
             os.dup2(out_w, 1)
             os.dup2(out_w if step.get("merge_stderr") else err_w, 2)
             os.dup2(result_w, RESULT_FD)
-            os.closerange(RESULT_FD + 1, 65536)
+            if go_on >= 0:
+                os.dup2(go_on, GO_ON_FD)
+            os.closerange((GO_ON_FD if go_on >= 0 else RESULT_FD) + 1, 65536)
             for sig in DEFAULT_SIGNALS:
                 _signal.signal(sig, _signal.SIG_DFL)
             os.setgroups([])
@@ -427,7 +430,11 @@ class Worker:
         if "script" in step:
             os._exit(run_script(step["script"], step["script_path"]))
         sys.argv = ["<shoal call>"]
-        os._exit(run_batch(step["python"]) if "batch" in step["python"] else run_python(step["python"]))
+        code = 1
+        try:
+            code = run_batch(step["python"]) if "batch" in step["python"] else run_python(step["python"])
+        finally:
+            os._exit(code)  # whatever happened, this child never returns into the worker's loop
 
     def run_step(
         self, sock: _socket.socket, step: dict, cwd: str, env: dict, done: list | None = None
@@ -447,16 +454,21 @@ class Worker:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         res_r, res_w = os.pipe()
+        # a batch's child waits after each item until the worker has read that item's output: else the output
+        # of the next item could already sit in the pipes when the worker cuts them at the result frame
+        go_on_r, go_on_w = os.pipe() if batch else (-1, -1)
         start = time.monotonic()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = self.fork()
         if pid == 0:
-            for fd in (out_r, err_r, res_r):
+            for fd in (out_r, err_r, res_r, go_on_w):
+                if fd >= 0:
+                    os.close(fd)
+            self.child(step, cwd, env, (stdin_r, out_w, err_w, res_w), go_on_r)
+        for fd in (out_w, err_w, res_w, go_on_r):
+            if fd >= 0:
                 os.close(fd)
-            self.child(step, cwd, env, (stdin_r, out_w, err_w, res_w))
-        for fd in (out_w, err_w, res_w):
-            os.close(fd)
         if stdin_data:
             os.close(stdin_r)
         pidfd = os.pidfd_open(pid)
@@ -558,6 +570,10 @@ class Worker:
                             for pipe in (out_r, err_r):
                                 self._drain(pipe, outputs.get(pipe), buffers[pipe], limits[pipe], poller, open_fds)
                             done.append(self._result(item, start, False, 0, outputs, buffers, out_r, err_r))
+                            try:
+                                os.write(go_on_w, b"g")
+                            except OSError:  # it is gone (it ended after its last item, or was killed)
+                                pass
                             start = last_output = time.monotonic()  # the next item's time starts now
                             deadline = start + timeout if timeout else None
                             outputs = {out_r: HeadTail(cap), err_r: HeadTail(cap)} if cap else {}
@@ -569,7 +585,7 @@ class Worker:
                     room = limits[fd] - len(buffers[fd])
                     buffers[fd] += data[: max(room, 0)]
                     dropped[fd] += max(0, len(data) - max(room, 0))
-        for fd in (*buffers, pidfd):
+        for fd in (*buffers, pidfd, *([go_on_w] if batch else [])):
             os.close(fd)
         if stdin_w >= 0:
             os.close(stdin_w)
@@ -705,10 +721,16 @@ def run_python(spec: dict) -> int:
 def run_batch(spec: dict) -> int:
     """`map(..., isolation="batch")`: the items of a batch one after another in this one child, the function
     unpickled once. After each item its stdout and stderr are flushed, then its result goes to fd 3 as a
-    frame (4-byte length, JSON): the worker cuts the item's output there. What an item leaves (globals,
-    files, processes) the next ones see: the caller chose that."""
+    frame (4-byte length, JSON) and it waits for a byte on GO_ON_FD: the worker cuts the item's output
+    there, then lets it go on. What an item leaves (globals, files, processes) the next ones see: the
+    caller chose that."""
     fn = None
-    for item in spec["batch"]:
+    for index, item in enumerate(spec["batch"]):
+        try:
+            if index and not os.read(GO_ON_FD, 1):  # the worker has taken the previous item's output
+                return 0
+        except OSError:  # an item closed it: the rest run in a fresh child
+            return 1
         try:
             if fn is None:
                 fn, _, kwargs = load_call({**spec, "args": None})
