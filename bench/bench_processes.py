@@ -94,7 +94,8 @@ def main() -> None:
                 time.sleep(0.05)
             start = time.perf_counter()
             done = subprocess.run(
-                [args.runtime, "--root", str(paths.runtime_root / args.runtime), "exec", bombed.id, "kill", "-9", "-1"],
+                [args.runtime, "--root", str(paths.runtime_state / args.runtime), "exec", bombed.id, "kill", "-9",
+                 "-1"],
                 capture_output=True, text=True, timeout=60,
             )  # fmt: skip
             raw.append(time.perf_counter() - start)

@@ -16,7 +16,7 @@ import pytest
 import shoal
 from shoal import settings
 from shoal.client.launch import spawn_background
-from shoal.config import Paths, node_tag
+from shoal.config import Paths, node_tag, shm_state_dir
 
 IMAGES = settings.IMAGES_DIR.get() or Path("/var/lib/shoal/store")
 # A cold boot of the systemd `vm` under TCG takes ~40 s on a quiet 2-core machine and minutes on a loaded one;
@@ -120,8 +120,13 @@ def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dic
     vm_files = [str(p) for p in (home / "vm-templates").glob(".build-*")]
     if node_stopped:
         vm_files += [str(p) for p in (home / "vm-snapshots").glob("*")]
+    # the OCI runtimes' state of each container (on tmpfs, config.runtime_state_root); a stopped node's root too
+    shm = shm_state_dir(home)
+    runtime_state = [str(p) for root in (shm, home / "runtime") for n in ("crun", "runc") for p in root.glob(f"{n}/*")]
+    if node_stopped and shm.exists():
+        runtime_state.append(str(shm))
     return {"mounts": mounts, "cgroups": cgroup_dirs, "agents": agents, "agent_helpers": helpers, "qemu": vms,
-            "dirs": dirs, "links": links,
+            "dirs": dirs, "links": links, "runtime_state": runtime_state,
             "nft": nft, "loops": loops, "vm_files": vm_files, "layers": layer_mounts(home)}  # fmt: skip
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import time
 
@@ -11,7 +12,7 @@ import pytest
 from conftest import NodeProcess, leftovers, no_leftovers, sandbox_roots
 
 import shoal
-from shoal.config import default_memory_mb
+from shoal.config import default_memory_mb, shm_state_dir
 
 
 def test_many_cycles_leave_nothing(client: shoal.Client, node: NodeProcess) -> None:
@@ -175,6 +176,8 @@ def test_the_session_sweeper_clears_a_killed_runs_leftovers(tmp_path_factory, no
     (RUN_MARKS / str(gone.pid)).unlink()
     assert parent not in dead_run_parents()
     found = no_leftovers(node.home, parent, node_stopped=True)
-    if node_state == "killed":  # no node cleaned the sandboxes' directories; nothing else may stay
-        found.pop("dirs", None)
+    if node_state == "killed":  # no node cleaned the sandboxes' directories (nor the runtime's state files,
+        found.pop("dirs", None)  # on tmpfs); nothing else may stay
+        found.pop("runtime_state", None)
+        shutil.rmtree(shm_state_dir(node.home), ignore_errors=True)
     assert not found, found

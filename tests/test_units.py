@@ -374,3 +374,81 @@ async def test_reaper_heap_wakes_for_due_deadlines_only_and_compacts() -> None:
         host.sandboxes.pop(name)
         reaper.forget(name)
     assert reaper.heap_size <= 2 + 1024  # compacted: the 3,000 closed sandboxes' entries do not stay
+
+
+# ---------------------------------------------------------------- the node's small state files (issue 12)
+
+
+def _record_sandbox(directory: Path, labels: dict[str, str]) -> object:
+    from shoal.images.store import Image, ImageConfig
+    from shoal.node.sandbox import Sandbox
+    from shoal.substrates import Instance
+
+    instance = Instance(id="n-1", kind="container", directory=directory, agent_socket=directory / "agent.sock",
+                        cgroup_path="/shoal/n-1", runtime="crun", pid=123)  # fmt: skip
+    spec = SandboxSpec(kind="container", image="busybox", labels=labels)
+    image = Image(name="busybox", layers=(), config=ImageConfig())
+    return Sandbox(id="n-1", spec=spec, image=image, instance=instance, agent=None)  # type: ignore[arg-type]
+
+
+def test_a_small_record_is_rewritten_in_place_and_a_large_one_by_rename(tmp_path: Path) -> None:
+    """write_record rewrites record.json with one write into the file the substrate made (no new inode
+    and rename per create on the home's ext4), padded with spaces when it shrinks; one that outgrows a page
+    (which one write could not keep whole if the node died) is written to a new file and renamed."""
+    import json
+
+    from shoal.node.recovery import RECORD_IN_PLACE_MAX, write_record
+
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps({"id": "n-1", "kind": "container", "runtime": "crun", "cgroup": "/shoal/n-1"}))
+    inode = record.stat().st_ino
+    sandbox = _record_sandbox(tmp_path, {"run": "r" * 300})
+    write_record(sandbox)  # type: ignore[arg-type]
+    grown = record.stat().st_size
+    assert record.stat().st_ino == inode
+    written = json.loads(record.read_text())
+    assert written["runtime"] == "crun" and written["node"]["spec"]["labels"] == {"run": "r" * 300}
+    assert written["node"]["instance"]["pid"] == 123
+    sandbox.spec.labels = {}  # type: ignore[attr-defined]
+    write_record(sandbox)  # type: ignore[arg-type]
+    assert record.stat().st_ino == inode and record.stat().st_size == grown  # shorter: padded, not truncated
+    assert json.loads(record.read_text())["node"]["spec"].get("labels", {}) == {}
+    sandbox.spec.labels = {"big": "x" * RECORD_IN_PLACE_MAX}  # type: ignore[attr-defined]
+    write_record(sandbox)  # type: ignore[arg-type]
+    assert record.stat().st_ino != inode and not (tmp_path / "record.json.tmp").exists()
+    assert json.loads(record.read_text())["node"]["spec"]["labels"]["big"] == "x" * RECORD_IN_PLACE_MAX
+
+
+def _shm_is_tmpfs() -> bool:
+    from shoal.config import SHM, _is_tmpfs
+
+    return _is_tmpfs(SHM)
+
+
+@pytest.mark.skipif(not _shm_is_tmpfs(), reason="this host has no tmpfs at /dev/shm: the home keeps the state")
+def test_the_runtime_state_root_is_a_private_tmpfs_directory(tmp_path: Path) -> None:
+    """crun's per-container state files go to tmpfs (/dev/shm/shoal-<hash>), made 0700; a directory there
+    that is a planted symlink or open to others is not used (the home's runtime/ is)."""
+    import os
+
+    from shoal.config import SHM, runtime_state_root, shm_state_dir
+
+    home = tmp_path / "home"
+    root = runtime_state_root(home)
+    try:
+        assert root == shm_state_dir(home) and root.parent == SHM
+        info = root.lstat()
+        assert info.st_mode & 0o777 == 0o700 and info.st_uid == os.geteuid()
+        assert runtime_state_root(home) == root  # the same again, already there
+        assert shm_state_dir(tmp_path / "other") != root
+        root.chmod(0o755)
+        assert runtime_state_root(home) == home / "runtime"
+        root.rmdir()
+        root.symlink_to(tmp_path)
+        assert runtime_state_root(home) == home / "runtime"
+    finally:
+        if root.is_symlink():
+            root.unlink()
+        elif root.exists():
+            root.rmdir()
+    assert runtime_state_root(home, shm=tmp_path) == home / "runtime"  # not a tmpfs mount point

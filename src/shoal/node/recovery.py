@@ -50,14 +50,15 @@ class NotAdoptable(Exception):
 
 
 def write_record(sandbox: Sandbox) -> None:
-    """Merge the node's view of `sandbox` into its record.json (atomically: write, rename).
+    """Merge the node's view of `sandbox` into its record.json (atomically: one write in place, or write
+    and rename; see RECORD_IN_PLACE_MAX).
 
     No fsync (it blocked the event loop on every create and claim): the record serves re-adoption after the
     node *process* dies, and the page cache outlives a process. After a machine crash there is nothing to
     re-adopt (the sandboxes died with it), and a torn or empty record is cleaned up as an orphan.
 
     The substrate's part is read once per sandbox (substrates write it only when they create) and kept on
-    the sandbox, so a create, pause or keepalive costs one write and a rename, not a read and a parse too."""
+    the sandbox, so a create, pause or keepalive costs one write, not a read and a parse too."""
     path = sandbox.instance.directory / "record.json"
     base = sandbox.record_base
     if base is None:
@@ -85,13 +86,34 @@ def write_record(sandbox: Sandbox) -> None:
             "rootfs": sandbox.instance.rootfs,
         },
     }
+    data = msgspec.json.encode(record)
+    if len(data) <= RECORD_IN_PLACE_MAX:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            pass
+        else:
+            try:
+                size = os.fstat(fd).st_size
+                if size <= RECORD_IN_PLACE_MAX:
+                    os.pwrite(fd, data.ljust(size), 0)  # JSON allows trailing spaces: one write, no truncate
+                    return
+            finally:
+                os.close(fd)
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-        os.write(fd, msgspec.json.encode(record))
+        os.write(fd, data)
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+# A record up to this size is rewritten in place, by one write at offset 0 that a process's death cannot tear
+# (a write into one page of the page cache either happens or not: a pending SIGKILL stops it before the copy),
+# padded to the old size with spaces. A new file and a rename, the atomic way for any size, cost a journalled
+# inode created and one freed on the home's ext4 per create (issue 12: ~0.1 CPU-ms).
+RECORD_IN_PLACE_MAX = 4096
 
 
 def frozen(cgroup_path: str) -> bool:

@@ -91,7 +91,11 @@ class NodeService:
         self.node_images = NodeImages(self.images, paths.home / "layers")
         self.substrates: dict[str, Substrate] = {
             "container": ContainerSubstrate(
-                paths.sandboxes, paths.runtime_root, settings.cgroup_parent, default_cpu=settings.default_cpu
+                paths.sandboxes,
+                paths.runtime_root,
+                settings.cgroup_parent,
+                default_cpu=settings.default_cpu,
+                state_root=paths.runtime_state,
             ),
         }
         if shutil.which(QEMU.get()) and shutil.which("qemu-img"):
@@ -161,6 +165,10 @@ class NodeService:
         for parent in cgroups.sandbox_dirs(f"/{self.settings.cgroup_parent}"):
             with contextlib.suppress(OSError):  # still holds a sandbox's cgroup: keep it
                 parent.rmdir()
+        root = self.paths.runtime_state  # on tmpfs, outside the home: gone with the node when empty
+        for directory in [*(root / name for name in ("crun", "runc", "runsc")), root]:
+            with contextlib.suppress(OSError):  # holds a container's state (a runtime that failed to delete)
+                directory.rmdir()
 
     async def stop_keeping(self) -> list[str]:
         """Stop but leave running the sandboxes a restarted node re-adopts (containers without a network
@@ -249,7 +257,7 @@ class NodeService:
                 await self.trajectory.close_sandbox(directory.name, "lost", reason)
         assert isinstance(container, ContainerSubstrate)
         for name in ("crun", "runc", "runsc"):
-            state_root = self.paths.runtime_root / name
+            state_root = self.paths.runtime_state / name
             if state_root.is_dir() and shutil.which(name):
                 for cid in (p.name for p in state_root.iterdir()):
                     if cid not in self.sandboxes:
@@ -623,7 +631,6 @@ class NodeService:
 
     async def _destroy_now(self, sandbox: Sandbox) -> None:
         sandbox.agent.close()  # the exec connections the agent client keeps
-        sandbox.close_files()
         try:
             if sandbox.screen is not None:
                 await sandbox.screen.close()
@@ -836,7 +843,7 @@ class NodeService:
             raise InvalidRequestError("empty command")
         uid, gid = (await self._resolve_user(sandbox, req.user)) if req.user else (sandbox.uid, sandbox.gid)
         cap = req.output_cap_bytes or sandbox.spec.output_cap_bytes or self.settings.output_cap_bytes
-        ooms = sandbox.oom_kills() if sandbox.spec.memory_mb else 0
+        ooms = cgroups.oom_kills(sandbox.instance.cgroup_path) if sandbox.spec.memory_mb else 0
         start = time.monotonic()
         try:
             run = await sandbox.agent.exec_run(
@@ -907,7 +914,7 @@ class NodeService:
         finally:
             run.close()
         exit_info = None if killed_inside else run.exit
-        oom = bool(sandbox.spec.memory_mb) and sandbox.oom_kills() > ooms
+        oom = bool(sandbox.spec.memory_mb) and cgroups.oom_kills(sandbox.instance.cgroup_path) > ooms
         return ExecResult(
             exit_code=exit_info.exit_code if exit_info else 137,
             stdout=bytes(run.stdout),
@@ -1424,15 +1431,10 @@ class NodeService:
         return await self.functions.call(spec, call, timeout, sandbox_id)
 
     async def fn_map(
-        self,
-        spec: SandboxSpec,
-        call: dict[str, Any],
-        items: list[Any],
-        timeout: float | None = None,
-        isolation: str = "item",
+        self, spec: SandboxSpec, call: dict[str, Any], items: list[Any], timeout: float | None = None
     ) -> list[dict[str, Any]]:
         self._validate(spec)
-        return await self.functions.map(spec, call, items, timeout, isolation)
+        return await self.functions.map(spec, call, items, timeout)
 
     async def fn_run_code(
         self,

@@ -41,10 +41,16 @@ class ContainerSubstrate(Substrate):
     capabilities = Capabilities(pause=True, image_commit=True, disk_cap=True, readopt=True)
 
     def __init__(
-        self, sandboxes_dir: Path, runtime_root: Path, cgroup_parent: str = "shoal", default_cpu: float | None = None
+        self,
+        sandboxes_dir: Path,
+        runtime_root: Path,
+        cgroup_parent: str = "shoal",
+        default_cpu: float | None = None,
+        state_root: Path | None = None,
     ) -> None:
         self.sandboxes_dir = sandboxes_dir
         self.runtime_root = runtime_root
+        self.state_root = state_root or runtime_root  # the OCI runtimes' --root (config.runtime_state_root)
         self.cgroup_parent = cgroup_parent
         self.agent_binary = str(agent_binary_path())
         self._runtimes: dict[str, OciRuntime] = {}
@@ -60,7 +66,7 @@ class ContainerSubstrate(Substrate):
                 launcher.check_host(self.userns_base)
                 self._runtimes[name] = launcher.ShoalRuntime(self._launcher)
             else:
-                self._runtimes[name] = OciRuntime.find(name, self.runtime_root)
+                self._runtimes[name] = OciRuntime.find(name, self.state_root)
         return self._runtimes[name]
 
     async def close(self) -> None:
