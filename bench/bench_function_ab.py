@@ -45,7 +45,7 @@ def main() -> int:
     parser.add_argument("before")
     parser.add_argument("after", nargs="?", default=str(HERE.parent / "src"))
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--ways", default="shoal call,shoal map,run_code")
+    parser.add_argument("--ways", default="shoal call,shoal map,batch iso,run_code")
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--map-items", type=int, default=5000)
     parser.add_argument("--snippets", type=int, default=500)

@@ -223,6 +223,10 @@ def test_default_caps_and_the_oom_shield_apply(client: shoal.Client, node) -> No
         assert _cgroup_value(cgroup, "pids.max", "pids", "pids.max") == "1024"
         assert Path(f"/proc/{_agent_pid(cgroup)}/oom_score_adj").read_text().strip() == shielded
         assert sb.exec("cat /proc/self/oom_score_adj").stdout.strip() == "1000"
+        for _ in range(2):  # the command's handler (its parent, kept between execs) shares its memory until the
+            # command execs (guest/agent.c spawn_exec), not its score: the handler stays shielded
+            scores = sb.exec(["sh", "-c", "cat /proc/self/oom_score_adj /proc/$PPID/oom_score_adj"]).stdout.split()
+            assert scores == ["1000", shielded], scores
     with client.create(image="busybox", pool=False, memory_mb=256, pids=64) as sb:  # overridable
         cgroup = f"/{node.cgroup_parent}/{sb.id}"
         assert int(_cgroup_value(cgroup, "memory.max", "memory", "memory.limit_in_bytes")) == 256 << 20

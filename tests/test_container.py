@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
@@ -97,6 +98,27 @@ def test_memory_limit_reports_oom(client: shoal.Client) -> None:
         r = sb.exec(["python3", "-c", "x = bytearray(300 << 20); print('survived')"])
         assert r.exit_code == 137 and r.oom_killed and "survived" not in r.stdout
         assert sb.exec("echo still here").stdout == "still here\n"
+        assert sb.exec("true").oom_killed is False  # the kept counter: the earlier kill is not this exec's
+
+
+def test_the_oom_counter_the_node_keeps_open_is_closed_with_its_sandbox(client: shoal.Client) -> None:
+    """The node reads a sandbox's OOM-kill counter through an fd it keeps (two reads per exec); its close
+    closes it (an fd left open would keep the removed cgroup's file alive in the node)."""
+
+    def counters(pid: int, sandbox_id: str) -> list[str]:
+        found = []
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if sandbox_id in target and target.endswith(("memory.events", "memory.oom_control")):
+                    found.append(target)
+        return found
+
+    pid = client.status()["pid"]
+    with client.create(image="busybox", memory_mb=64, pool=False, ttl_s=300) as sb:
+        assert sb.exec("true").exit_code == 0
+        assert len(counters(pid, sb.id)) == 1
+    assert counters(pid, sb.id) == []
 
 
 def test_pids_limit(client: shoal.Client, node) -> None:  # noqa: ANN001

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import datetime
 import hashlib
+import http.client
 import os
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -333,6 +335,29 @@ def test_auth_projects_and_templates(sbx: Sandbox, cluster, e2b_env: dict[str, s
     with pytest.raises(SandboxException) as info:
         Sandbox.create(template="no-such-template")
     assert "no-such-template" in str(info.value) and "debian" in str(info.value)
+
+
+def test_each_request_on_a_kept_connection_is_checked_with_its_own_key(sbx: Sandbox, cluster, e2b_env) -> None:
+    """The server lets a connection's later requests with the key it accepted go straight on; any other key on
+    that connection is still checked: a bad one is refused, another project's finds no sandbox."""
+    lc, _servers = cluster
+    url = urllib.parse.urlsplit(e2b_env["E2B_SANDBOX_URL"])
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+
+        def health(key: str) -> int:
+            conn.request("GET", "/health", headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": key})
+            response = conn.getresponse()
+            response.read()
+            return response.status
+
+        alice = e2b_env["E2B_API_KEY"]
+        assert [health(alice), health(alice)] == [204, 204]
+        assert health("not-a-shoal-token") == 401
+        assert health(lc.project_tokens["bob"]) == 502  # E2B's proxy answer: no such sandbox (for bob)
+        assert health(alice) == 204
+    finally:
+        conn.close()
 
 
 def test_async_sandbox(e2b_env: dict[str, str]) -> None:

@@ -588,6 +588,49 @@ def test_batched_map_items_are_isolated_in_order_with_errors_in_place(client: sh
         list(client.map(lambda x: x, range(3), batch=0))
 
 
+SHARING = """
+import os, sys
+def f(x):
+    if x == 3:
+        os._exit(7)  # ends the shared child: item 3 fails alone, 4 and 5 run in a fresh one
+    if x == 6:
+        import time
+        time.sleep(60)  # past its own timeout: the same
+    print('out', x)
+    print('err', x, file=sys.stderr)
+    open(f'/work/mark-{x}', 'w').write('x')
+    seen = globals().setdefault('seen', [])
+    seen.append(x)
+    return [list(seen), sorted(os.listdir('/work'))]
+"""
+
+
+def test_map_with_batch_isolation_shares_one_child_per_batch(client: shoal.Client) -> None:
+    """isolation="batch": a batch's items run in one child (what one leaves, the next sees), each with its
+    own value or error in place, its own output and its own timeout; an item that ends the child fails alone
+    and the rest of the batch start afresh; the next batch shares nothing; the default stays per item."""
+    out = list(client.map(SHARING, range(10), entry="f", batch=8, isolation="batch", timeout=3))
+    marks = [f"mark-{x}" for x in range(10)]
+    assert out[:3] == [[[0], marks[:1]], [[0, 1], marks[:2]], [[0, 1, 2], marks[:3]]]
+    assert isinstance(out[3], FunctionError) and out[3].type == "WorkerCrashed" and "code 7" in out[3].message
+    assert out[4:6] == [[[4], marks[4:5]], [[4, 5], marks[4:6]]]
+    assert isinstance(out[6], FunctionError) and out[6].type == "TimeoutError" and out[6].timed_out
+    assert out[7] == [[7], marks[7:8]]
+    assert out[8:] == [[[8], marks[8:9]], [[8, 9], marks[8:10]]]  # a new batch: nothing of the first
+    isolated = list(client.map(SHARING, [0, 1, 2], entry="f", batch=3))
+    assert isolated == [[[x], [f"mark-{x}"]] for x in range(3)]
+    spec = {"kind": "function", "image": "debian"}
+    raw = client.call("fn_map", {"spec": spec, "call": {"source": SHARING, "entry": "f"}, "items": [[0], [1]],
+                                "isolation": "batch"})  # fmt: skip
+    assert [(r["stdout"], r["stderr"]) for r in raw] == [(b"out 0\n", b"err 0\n"), (b"out 1\n", b"err 1\n")]
+    assert list(client.map(lambda x: x * x, range(50), isolation="batch", batch=16)) == [x * x for x in range(50)]
+    with pytest.raises(shoal.InvalidRequestError, match="isolation='none'"):
+        client.call("fn_map", {"spec": spec, "call": {"source": SHARING, "entry": "f"}, "items": [[0]],
+                              "isolation": "none"})  # fmt: skip
+    with pytest.raises(ValueError, match="isolation"):
+        list(client.map(lambda x: x, range(3), isolation="process"))  # type: ignore[arg-type]
+
+
 def test_call_children_are_ordinary_processes(client: shoal.Client) -> None:
     """In calls and batched map items (cloudpickle workers load threading and logging, which register
     at-fork handlers): threads, fork, subprocesses work, and no two calls share random state."""

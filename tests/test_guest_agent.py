@@ -725,6 +725,46 @@ async def test_background_start_is_served_by_a_handler_forked_ahead(agent: Agent
     assert await wait_for(lambda: spare not in children(agent.proc.pid))
 
 
+async def test_a_spare_that_answers_an_error_is_passed_over(agent: Agent) -> None:
+    """A spare connection the agent passed to its reserve (dialled at the sandbox's pids limit) answers the
+    start with an error, though a new connection now could start it: the start goes to a new connection."""
+    ours, reserve = socket.socketpair()
+    ours.setblocking(False)
+    reserve.setblocking(False)
+    agent.client._spare = ours
+    loop = asyncio.get_running_loop()
+
+    async def answer_an_error() -> bytes:
+        request = await loop.sock_recv(reserve, 1 << 16)
+        message = struct.pack(">I", errno.EAGAIN) + b"fork: resource temporarily unavailable"
+        await loop.sock_sendall(reserve, struct.pack(">IB", len(message) + 1, ord("Z")) + message)
+        return request
+
+    answered = asyncio.create_task(answer_an_error())
+    try:
+        _, id, follower = await agent.client.background_follow(["sh", "-c", "echo started"], env=ENV)
+        assert (await answered)[4:5] == b"B"  # the start went to the spare first
+        assert follower is not None and await _drain(follower) == (b"started\n", b"")
+    finally:
+        reserve.close()
+        ours.close()
+
+
+async def test_requests_the_reserve_serves_let_the_spare_go(agent: Agent) -> None:
+    """Hello, the process list and kills close the spare first: at the pids limit a spare goes to the agent's
+    reserve, which would wait on it (5 s) before serving them, and the node's liveness check is a hello."""
+    base = children(agent.proc.pid)
+    for request in (agent.client.hello, agent.client.processes, agent.client.kill_processes):
+        _, id = await agent.client.background(["true"], env=ENV)
+        assert agent.client._spare is not None
+        base |= {id}
+        assert await wait_for(lambda b=base: len(children(agent.proc.pid) - b) == 1)
+        (spare,) = children(agent.proc.pid) - base
+        await request()
+        assert agent.client._spare is None
+        assert await wait_for(lambda s=spare: s not in children(agent.proc.pid))
+
+
 async def test_attach_to_unknown_background_process(agent: Agent) -> None:
     with pytest.raises(AgentError) as info:
         await agent.client.attach(agent.proc.pid, Attached.READ)

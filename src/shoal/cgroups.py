@@ -44,15 +44,18 @@ def sandbox_dirs(path: str) -> list[Path]:
     return [Path(p) for p in candidate_dirs(path) if os.path.isdir(p)]
 
 
+def _oom_file(path: str) -> str:
+    rel = path.lstrip("/")
+    return f"{ROOT}/{rel}/memory.events" if layout() == "v2" else f"{ROOT}/memory/{rel}/memory.oom_control"
+
+
 def oom_kills(path: str) -> int:
     """How many times the kernel's OOM killer has killed a process in this cgroup.
 
     Read twice per exec (before and after): three syscalls and a bytes search, no file object (Python's
     open() in text mode costs more than the kernel's answer)."""
-    rel = path.lstrip("/")
-    name = f"{ROOT}/{rel}/memory.events" if layout() == "v2" else f"{ROOT}/memory/{rel}/memory.oom_control"
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(_oom_file(path), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return 0
     try:
@@ -62,6 +65,24 @@ def oom_kills(path: str) -> int:
     finally:
         os.close(fd)
     return oom_kill_count(text)
+
+
+def open_oom_counter(path: str) -> int | None:
+    """An fd on the file `oom_kills` reads, for `oom_kills_of`: one pread per read, not an open, a read and a
+    close (17 vs 2 µs; the node reads it twice per exec). None if it cannot be opened. The caller closes it
+    when the cgroup goes (an open fd keeps the removed cgroup's file alive)."""
+    try:
+        return os.open(_oom_file(path), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def oom_kills_of(fd: int) -> int:
+    """`oom_kills` through an fd from `open_oom_counter` (a cgroup file reads anew from offset 0)."""
+    try:
+        return oom_kill_count(os.pread(fd, 4096, 0))
+    except OSError:
+        return 0
 
 
 def oom_kill_count(text: bytes) -> int:

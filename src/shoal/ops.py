@@ -250,8 +250,10 @@ _op("fork", SANDBOX, {"sandbox_id": str, "count": (int, 1)}, list[Any],
 # ---------------------------------------------------------------- function calls
 _op("fn_call", ANYWHERE, {"spec": SandboxSpec, "call": JSON, "timeout": (float | None, None),
                           "sandbox_id": OPT_STR}, JSON, "Run a pickled function in a fresh worker.")
-_op("fn_map", ANYWHERE, {"spec": SandboxSpec, "call": JSON, "items": list[Any], "timeout": (float | None, None)},
-    list[JSON], "Run a function once per item (one fresh worker child each) in one round trip; outcomes in order.")
+_op("fn_map", ANYWHERE, {"spec": SandboxSpec, "call": JSON, "items": list[Any], "timeout": (float | None, None),
+                         "isolation": (str, "item")},
+    list[JSON], "Run a function once per item in one round trip (isolation 'item': a fresh worker child each; "
+    "'batch': the items in one child, sharing it); outcomes in order.")
 _op("fn_run_code", ANYWHERE, {"spec": SandboxSpec, "code": str, "language": (str, "python"),
                               "stdin": (bytes | None, None), "files": (dict[str, bytes] | None, None),
                               "compile_timeout": (float | None, 30.0), "run_timeout": (float | None, 10.0),

@@ -673,6 +673,14 @@ class AgentClient:
         sock, self._spare = self._spare, None
         return sock if sock is not None and _waiting(sock) else None
 
+    def _drop_spare(self) -> None:
+        """Close the spare before a request the agent's reserve may serve (hello, process list, kills): a spare
+        dialled at the sandbox's pids limit went to the reserve, which serves one connection at a time and
+        would wait (up to 5 s) for a request on it before taking the next."""
+        if self._spare is not None:
+            self._spare.close()
+            self._spare = None
+
     def _dial_spare(self) -> None:
         """Connect the next background start's connection now: the agent accepts it and forks its handler
         while the command just started runs, not while the next start waits (a fork in the sandbox is the
@@ -743,11 +751,13 @@ class AgentClient:
 
     async def hello(self) -> tuple[int, str]:
         """Return (agent pid, agent version)."""
+        self._drop_spare()
         payload = await self._simple(b"H", b"")
         return _U32.unpack_from(payload)[0], payload[4:].decode()
 
     async def processes(self) -> list[ProcessEntry]:
         """The sandbox's processes other than the agent's own, each with the exec (handler pid) it belongs to."""
+        self._drop_spare()
         payload = await self._simple(b"Q", b"")
         (count,), offset, entries = _U32.unpack_from(payload), 4, []
         for _ in range(count):
@@ -761,6 +771,7 @@ class AgentClient:
     async def kill_processes(self, exec_id: int | None = None) -> tuple[int, int]:
         """SIGKILL the processes of exec `exec_id` (all but the agent's if None), until none is left; needs
         no fork in the sandbox (served by the agent's reserve at the pids limit). Returns (killed, left)."""
+        self._drop_spare()
         payload = await self._simple(b"K", _U32.pack(exec_id or 0))
         killed, left = struct.unpack_from(">II", payload)
         return killed, left
@@ -885,10 +896,11 @@ class AgentClient:
 
     async def _started_on_spare(self, request: bytes) -> tuple[_SockConn | None, bytes | None]:
         """Send a background start on the spare connection; (conn, the 'P' reply), or (None, None) if there is
-        no spare or it ended before the reply: its idle handler was killed from inside the sandbox (`kill -9
-        -1`), which the liveness check misses only in the instant between it and the send; the start is then
-        sent again on a new connection (a handler killed after it forked the command would be killed by the
-        same `kill -1` as the command)."""
+        no spare or it did not start the command: its idle handler was killed from inside the sandbox (`kill
+        -9 -1`), which the liveness check misses only in the instant between it and the send (a handler killed
+        after it forked the command would be killed by the same `kill -1` as the command), or it answered an
+        error (the agent may have passed the spare to its reserve, dialled at the sandbox's pids limit, which
+        a start now need not meet). The start is then sent on a new connection, which answers for itself."""
         sock = self._take_spare()
         if sock is None:
             return None, None
@@ -896,7 +908,7 @@ class AgentClient:
         try:
             await conn.send(request)
             return conn, (await conn.expect(b"P"))[1]
-        except ConnectionError:
+        except OSError:  # ConnectionError, or the agent's error answer (AgentError or the errno's builtin class)
             await conn.close()
             return None, None
         except BaseException:

@@ -78,6 +78,7 @@ MAX_STAGED_BYTES = 64 << 20
 SETUP_GRACE_S = 30.0
 KILL_GRACE_S = 0.25  # per step: past its timeouts by this much, the node kills a call the worker has not
 NO_TIMEOUT_S = 7 * 86400.0
+ISOLATION = ("item", "batch")  # map: a fresh child per item, or one child per batch (see FunctionService.map)
 MAX_BATCH = 1024  # items of one `map` round trip (the client sends far fewer: results stream back per batch)
 
 
@@ -590,10 +591,21 @@ class FunctionService:
         return _call_outcome(reply["steps"][0], timeout, _memory_mb(spec))
 
     async def map(
-        self, spec: SandboxSpec, call: dict[str, Any], items: list[Any], timeout: float | None
+        self,
+        spec: SandboxSpec,
+        call: dict[str, Any],
+        items: list[Any],
+        timeout: float | None,
+        isolation: str = "item",
     ) -> list[dict[str, Any]]:
-        """`call` once per item in one worker round trip: each item a fresh forked child as `call` runs it,
-        the worker wiping files, processes and IPC between items; outcomes in order, a failure in place."""
+        """`call` once per item in one worker round trip; outcomes in order, a failure in place.
+
+        isolation "item": each item a fresh forked child as `call` runs it, the worker wiping files,
+        processes and IPC between items. "batch": the items run one after another in ONE child (the function
+        loaded once), sharing its globals, files and processes; an item that ends the child (crash, timeout,
+        OOM kill) fails alone and the rest run in a fresh child. Batches are isolated from each other."""
+        if isolation not in ISOLATION:
+            raise InvalidRequestError(f"isolation={isolation!r}: choose one of {', '.join(map(repr, ISOLATION))}")
         self._check_spec(spec)
         if not items:
             return []
@@ -610,7 +622,8 @@ class FunctionService:
             raise InvalidRequestError("a map needs a pickled function or Python source")
         cap = spec.output_cap_bytes or self.node.settings.output_cap_bytes
         steps = [{"python": each, "timeout": timeout, "cap": cap} for each in steps_args]
-        request = self._request(spec, steps, {}, python=python, isolate=True)
+        shared = {"shared_child": True} if isolation == "batch" else {"isolate": True}
+        request = self._request(spec, steps, {}, python=python, **shared)
         reply = await self._run(
             spec,
             request,

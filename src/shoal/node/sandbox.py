@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from shoal import cgroups
 from shoal.guest import AgentClient
 from shoal.images import Image
 from shoal.protocol import SandboxInfo, SandboxSpec
@@ -44,8 +46,23 @@ class Sandbox:
     screen: Any = None  # node.gui.Screen: its display's helper, when it has a screen
     execs: dict[int, str] = field(default_factory=dict)  # recent execs' commands by exec ID (processes())
     record_base: dict[str, Any] | None = None  # the substrate's part of record.json (recovery.write_record)
+    oom_fd: int | None = None  # its cgroup's OOM-kill counter, opened at its first exec; -1 once closed
     handlers: dict[int, int] = field(default_factory=dict)  # agent handler pid -> the last exec ID it served
     handler_execs: int = 0  # execs so far that ran on a handler an earlier exec had used (exec_started)
+
+    def oom_kills(self) -> int:
+        """How many times the OOM killer has fired in its cgroup (read twice per exec: a kept fd)."""
+        if self.oom_fd is None:
+            self.oom_fd = cgroups.open_oom_counter(self.instance.cgroup_path)
+        if self.oom_fd is None or self.oom_fd < 0:  # could not open it, or closed (an exec outlived a destroy)
+            return cgroups.oom_kills(self.instance.cgroup_path)
+        return cgroups.oom_kills_of(self.oom_fd)
+
+    def close_files(self) -> None:
+        """Close what it holds open of its cgroup (its destroy); later reads open nothing."""
+        fd, self.oom_fd = self.oom_fd, -1
+        if fd is not None and fd >= 0:
+            os.close(fd)
 
     def exec_started(self, handler_pid: int | None, command: str) -> int | None:
         """The exec ID of an exec the agent's handler `handler_pid` now runs. The agent names an exec by its

@@ -631,6 +631,7 @@ class NodeService:
 
     async def _destroy_now(self, sandbox: Sandbox) -> None:
         sandbox.agent.close()  # the exec connections the agent client keeps
+        sandbox.close_files()
         try:
             if sandbox.screen is not None:
                 await sandbox.screen.close()
@@ -843,7 +844,7 @@ class NodeService:
             raise InvalidRequestError("empty command")
         uid, gid = (await self._resolve_user(sandbox, req.user)) if req.user else (sandbox.uid, sandbox.gid)
         cap = req.output_cap_bytes or sandbox.spec.output_cap_bytes or self.settings.output_cap_bytes
-        ooms = cgroups.oom_kills(sandbox.instance.cgroup_path) if sandbox.spec.memory_mb else 0
+        ooms = sandbox.oom_kills() if sandbox.spec.memory_mb else 0
         start = time.monotonic()
         try:
             run = await sandbox.agent.exec_run(
@@ -914,7 +915,7 @@ class NodeService:
         finally:
             run.close()
         exit_info = None if killed_inside else run.exit
-        oom = bool(sandbox.spec.memory_mb) and cgroups.oom_kills(sandbox.instance.cgroup_path) > ooms
+        oom = bool(sandbox.spec.memory_mb) and sandbox.oom_kills() > ooms
         return ExecResult(
             exit_code=exit_info.exit_code if exit_info else 137,
             stdout=bytes(run.stdout),
@@ -1431,10 +1432,15 @@ class NodeService:
         return await self.functions.call(spec, call, timeout, sandbox_id)
 
     async def fn_map(
-        self, spec: SandboxSpec, call: dict[str, Any], items: list[Any], timeout: float | None = None
+        self,
+        spec: SandboxSpec,
+        call: dict[str, Any],
+        items: list[Any],
+        timeout: float | None = None,
+        isolation: str = "item",
     ) -> list[dict[str, Any]]:
         self._validate(spec)
-        return await self.functions.map(spec, call, items, timeout)
+        return await self.functions.map(spec, call, items, timeout, isolation)
 
     async def fn_run_code(
         self,

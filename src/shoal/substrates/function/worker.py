@@ -40,6 +40,7 @@ import traceback
 WRITABLE = ("/work", "/tmp", "/var/tmp", "/dev/shm")
 CLOSE_TO_CALLS = ("/run/lock", "/dev/mqueue", "/var/lock")
 RESULT_FD = 3
+GO_ON_FD = 4  # a batch's shared child: reads a byte here after each item's result (the worker cut its output)
 MAX_RESULT = 64 << 20
 MAX_FILE = 256 << 20
 _LEN = struct.Struct(">I")
@@ -392,7 +393,7 @@ class Worker:
             os.environ.update(env)
             self.environ = dict(env)
 
-    def child(self, step: dict, cwd: str, env: dict, fds: tuple[int, int, int, int]) -> None:
+    def child(self, step: dict, cwd: str, env: dict, fds: tuple[int, int, int, int], go_on: int = -1) -> None:
         """In the forked child: join the call cgroup, drop privileges, run. Never returns."""
         stdin_r, out_w, err_w, result_w = fds
         gc.disable()  # short-lived: collecting would only copy pages shared with the worker
@@ -404,7 +405,9 @@ class Worker:
             os.dup2(out_w, 1)
             os.dup2(out_w if step.get("merge_stderr") else err_w, 2)
             os.dup2(result_w, RESULT_FD)
-            os.closerange(RESULT_FD + 1, 65536)
+            if go_on >= 0:
+                os.dup2(go_on, GO_ON_FD)
+            os.closerange((GO_ON_FD if go_on >= 0 else RESULT_FD) + 1, 65536)
             for sig in DEFAULT_SIGNALS:
                 _signal.signal(sig, _signal.SIG_DFL)
             os.setgroups([])
@@ -427,10 +430,21 @@ class Worker:
         if "script" in step:
             os._exit(run_script(step["script"], step["script_path"]))
         sys.argv = ["<shoal call>"]
-        os._exit(run_python(step["python"]))
+        code = 1
+        try:
+            code = run_batch(step["python"]) if "batch" in step["python"] else run_python(step["python"])
+        finally:
+            os._exit(code)  # whatever happened, this child never returns into the worker's loop
 
-    def run_step(self, sock: _socket.socket, step: dict, cwd: str, env: dict) -> tuple[dict, bool]:
-        """Fork, feed stdin, collect output (capped) until the child exits or a timeout; returns (result, aborted)."""
+    def run_step(
+        self, sock: _socket.socket, step: dict, cwd: str, env: dict, done: list | None = None
+    ) -> tuple[dict, bool]:
+        """Fork, feed stdin, collect output (capped) until the child exits or a timeout; returns (result, aborted).
+
+        A batch (`step["python"]["batch"]`, items sharing this one child) puts each finished item's result in
+        `done`, its output the pipes' contents up to its result frame, each item with its own timeout; the
+        returned result is then that of the item the child was on when it ended (if it had not finished)."""
+        batch = done is not None
         self.adopt_env(env)
         if "script" in step:  # its absolute path, worked out here rather than in every child
             step["script_path"] = os.path.normpath(os.path.join(cwd, step["script"]))
@@ -440,16 +454,21 @@ class Worker:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         res_r, res_w = os.pipe()
+        # a batch's child waits after each item until the worker has read that item's output: else the output
+        # of the next item could already sit in the pipes when the worker cuts them at the result frame
+        go_on_r, go_on_w = os.pipe() if batch else (-1, -1)
         start = time.monotonic()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = self.fork()
         if pid == 0:
-            for fd in (out_r, err_r, res_r):
+            for fd in (out_r, err_r, res_r, go_on_w):
+                if fd >= 0:
+                    os.close(fd)
+            self.child(step, cwd, env, (stdin_r, out_w, err_w, res_w), go_on_r)
+        for fd in (out_w, err_w, res_w, go_on_r):
+            if fd >= 0:
                 os.close(fd)
-            self.child(step, cwd, env, (stdin_r, out_w, err_w, res_w))
-        for fd in (out_w, err_w, res_w):
-            os.close(fd)
         if stdin_data:
             os.close(stdin_r)
         pidfd = os.pidfd_open(pid)
@@ -457,6 +476,11 @@ class Worker:
         limits = {out_r: cap, err_r: cap, res_r: MAX_RESULT}
         dropped = {out_r: 0, err_r: 0, res_r: 0}
         outputs = {out_r: HeadTail(cap), err_r: HeadTail(cap)} if cap else {}  # head and tail kept
+        frames = bytearray()
+        oversize = False
+        if batch:  # an item's output is what the pipes hold when its result frame arrives: read them dry then
+            os.set_blocking(out_r, False)
+            os.set_blocking(err_r, False)
         poller = select.poll()
         for fd in buffers:
             poller.register(fd, select.POLLIN)
@@ -530,33 +554,86 @@ class Worker:
                         continue
                     if fd != res_r:
                         last_output = time.monotonic()
+                    elif batch:
+                        frames += data
+                        if len(frames) >= 4 and _LEN.unpack_from(frames)[0] > MAX_RESULT and not exited:
+                            oversize = True  # as a call's result past MAX_RESULT: the item fails, the child goes
+                            frames.clear()
+                            poller.unregister(pidfd)
+                            status = self.stop(pid, kill=True)
+                            exited = True
+                            drain_until = time.monotonic() + 1.0
+                        while len(frames) >= 4 and len(frames) >= 4 + _LEN.unpack_from(frames)[0]:
+                            size = _LEN.unpack_from(frames)[0]
+                            item = {"result": frames[4 : 4 + size].decode("utf-8", "replace")}
+                            del frames[: 4 + size]
+                            for pipe in (out_r, err_r):
+                                self._drain(pipe, outputs.get(pipe), buffers[pipe], limits[pipe], poller, open_fds)
+                            done.append(self._result(item, start, False, 0, outputs, buffers, out_r, err_r))
+                            try:
+                                os.write(go_on_w, b"g")
+                            except OSError:  # it is gone (it ended after its last item, or was killed)
+                                pass
+                            start = last_output = time.monotonic()  # the next item's time starts now
+                            deadline = start + timeout if timeout else None
+                            outputs = {out_r: HeadTail(cap), err_r: HeadTail(cap)} if cap else {}
+                            buffers[out_r], buffers[err_r] = bytearray(), bytearray()
+                        continue
                     if fd in outputs:
                         outputs[fd].feed(data)
                         continue
                     room = limits[fd] - len(buffers[fd])
                     buffers[fd] += data[: max(room, 0)]
                     dropped[fd] += max(0, len(data) - max(room, 0))
-        for fd in (*buffers, pidfd):
+        for fd in (*buffers, pidfd, *([go_on_w] if batch else [])):
             os.close(fd)
         if stdin_w >= 0:
             os.close(stdin_w)
+        result: dict = {}
+        if batch:  # the item the child was on when it ended returned nothing (or too much)
+            result.update(result="", result_too_large=oversize)
+        elif "python" in step:
+            result.update(result="" if dropped[res_r] else buffers[res_r].decode("utf-8", "replace"),
+                          result_too_large=bool(dropped[res_r]))  # fmt: skip
+        return self._result(result, start, timed_out, status, outputs, buffers, out_r, err_r), aborted
+
+    @staticmethod
+    def _result(
+        result: dict, start: float, timed_out: bool, status: int, outputs: dict, buffers: dict, out_r: int, err_r: int
+    ) -> dict:
         signum = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
-        result = {
-            "exit_code": 128 + signum if signum else os.WEXITSTATUS(status),
-            "signal": signum,
-            "duration_s": time.monotonic() - start,
-            "timed_out": timed_out,
-        }
+        result.update(
+            exit_code=128 + signum if signum else os.WEXITSTATUS(status),
+            signal=signum,
+            duration_s=time.monotonic() - start,
+            timed_out=timed_out,
+        )
         if outputs:
             out, err = outputs[out_r], outputs[err_r]
             result.update(stdout=b64(out.value()), stderr=b64(err.value()), truncated=bool(out.omitted or err.omitted),
                           stdout_omitted=out.omitted, stderr_omitted=err.omitted)  # fmt: skip
         else:
             result.update(stdout=b64(bytes(buffers[out_r])), stderr=b64(bytes(buffers[err_r])), truncated=False)
-        if "python" in step:
-            result["result"] = "" if dropped[res_r] else buffers[res_r].decode("utf-8", "replace")
-            result["result_too_large"] = bool(dropped[res_r])
-        return result, aborted
+        return result
+
+    @staticmethod
+    def _drain(fd: int, output: HeadTail | None, buffer: bytearray, limit: int, poller, open_fds: set) -> None:  # noqa: ANN001
+        """Read a (non-blocking) pipe dry into an item's output; at its end, stop polling it."""
+        while fd in open_fds:
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                poller.unregister(fd)
+                open_fds.discard(fd)
+                return
+            if output is not None:
+                output.feed(data)
+            else:
+                buffer += data[: max(limit - len(buffer), 0)]
 
     def stop(self, pid: int, kill: bool) -> int:
         """Reap the call's child (killing it first if asked), then everything it left running."""
@@ -576,6 +653,9 @@ class Worker:
         shared = request.get("python")  # a batch (`map`): the function once, each step only its arguments
         try:
             write_inputs(files, cwd, self.uid, self.gid)
+            if request.get("shared_child"):  # map(..., isolation="batch"): the items share one child
+                reply["steps"], reply["aborted"] = self.run_shared(sock, request, shared, cwd, env)
+                return reply
             for index, step in enumerate(request["steps"]):
                 if request.get("isolate") and index:  # each step a call of its own: a clean slate first
                     self.clean()
@@ -597,6 +677,25 @@ class Worker:
             self.clean()
         return reply
 
+    def run_shared(self, sock: _socket.socket, request: dict, shared: dict, cwd: str, env: dict) -> tuple[list, bool]:
+        """The items of a batch in sequence in one forked child (`run_batch`), results in order. An item that
+        ends the child (a crash, its timeout, an OOM kill) gets that as its result and the items after it
+        run in a fresh child, after the clean-up that follows every request."""
+        steps, results = request["steps"], []
+        while len(results) < len(steps):
+            rest = steps[len(results) :]
+            step = {**rest[0], "python": {**shared, "batch": [each["python"].get("args") for each in rest]}}
+            done: list = []
+            last, aborted = self.run_step(sock, step, cwd, env, done)
+            results += done
+            if aborted:
+                return results, True
+            if len(done) < len(rest):  # the child ended on an item: that is its result; the rest start afresh
+                results.append(last)
+                self.clean()
+                write_inputs(request.get("files") or {}, cwd, self.uid, self.gid)
+        return results, False
+
     def clean(self) -> None:
         """Nothing a call started, wrote or made survives it: processes, writable dirs, SysV IPC."""
         kill_stragglers(self)
@@ -609,53 +708,105 @@ class Worker:
 
 def run_python(spec: dict) -> int:
     """Run a function (cloudpickled by the client, or named in source) and write its JSON result to fd 3."""
-    outcome: dict
     try:
-        if spec.get("pickle"):
-            import pickle
+        fn, args, kwargs = load_call(spec)
+        outcome = call_outcome(fn, args, kwargs)
+    except BaseException as exc:  # noqa: BLE001 - every failure of user code is a per-call result
+        outcome = failure(exc)
+    flush_std()
+    write_all(RESULT_FD, json.dumps(outcome).encode())
+    return 0
 
-            fn = pickle.loads(unb64(spec["pickle"]))
-            args, kwargs = pickle.loads(unb64(spec["args"])) if spec.get("args") else ((), {})
-        else:
-            namespace: dict = {"__name__": "__main__"}
-            entry = spec.get("entry")
-            if entry is None:  # like a notebook cell: the value of a final expression is the result
-                fn, args, kwargs = run_cell(spec["source"], namespace), [], {}
+
+def run_batch(spec: dict) -> int:
+    """`map(..., isolation="batch")`: the items of a batch one after another in this one child, the function
+    unpickled once. After each item its stdout and stderr are flushed, then its result goes to fd 3 as a
+    frame (4-byte length, JSON) and it waits for a byte on GO_ON_FD: the worker cuts the item's output
+    there, then lets it go on. What an item leaves (globals, files, processes) the next ones see: the
+    caller chose that."""
+    fn = None
+    for index, item in enumerate(spec["batch"]):
+        try:
+            if index and not os.read(GO_ON_FD, 1):  # the worker has taken the previous item's output
+                return 0
+        except OSError:  # an item closed it: the rest run in a fresh child
+            return 1
+        try:
+            if fn is None:
+                fn, _, kwargs = load_call({**spec, "args": None})
+            if spec.get("pickle"):
+                import pickle
+
+                args, kwargs = pickle.loads(unb64(item)) if item else ((), {})
             else:
-                exec(compile(spec["source"], "<source>", "exec"), namespace)
-                if entry not in namespace or not callable(namespace[entry]):
-                    raise NameError(f"the source defines no callable {entry!r}")
-                fn, args, kwargs = namespace[entry], spec.get("args") or [], spec.get("kwargs") or {}
+                args = item
+            outcome = call_outcome(fn, args, kwargs)
+        except BaseException as exc:  # noqa: BLE001 - the item's failure, in its place
+            outcome = failure(exc)
+        flush_std()
+        body = json.dumps(outcome).encode()
+        write_all(RESULT_FD, _LEN.pack(len(body)) + body)
+    return 0
+
+
+def load_call(spec: dict) -> tuple:
+    """(fn, args, kwargs) of a call: unpickled, or from source (a cell's last value, or `entry`)."""
+    if spec.get("pickle"):
+        import pickle
+
+        fn = pickle.loads(unb64(spec["pickle"]))
+        args, kwargs = pickle.loads(unb64(spec["args"])) if spec.get("args") else ((), {})
+        return fn, args, kwargs
+    namespace: dict = {"__name__": "__main__"}
+    entry = spec.get("entry")
+    if entry is None:  # like a notebook cell: the value of a final expression is the result
+        return run_cell(spec["source"], namespace), [], {}
+    exec(compile(spec["source"], "<source>", "exec"), namespace)
+    if entry not in namespace or not callable(namespace[entry]):
+        raise NameError(f"the source defines no callable {entry!r}")
+    return namespace[entry], spec.get("args") or [], spec.get("kwargs") or {}
+
+
+def call_outcome(fn, args, kwargs) -> dict:  # noqa: ANN001
+    """fn(*args, **kwargs) as {"ok": True, "value": JSON text}, or its failure."""
+    try:
         value = fn(*args, **kwargs)
         try:
             text = json.dumps(value, allow_nan=True)
         except (TypeError, ValueError) as exc:
             hint = "return dicts, lists, str, numbers, bool or None"
             raise TypeError(f"the result is not JSON data ({exc}); {hint}") from None
-        outcome = {"ok": True, "value": text}
-    except SystemExit as exc:
+        return {"ok": True, "value": text}
+    except BaseException as exc:  # noqa: BLE001 - every failure of user code is a per-call result
+        return failure(exc)
+
+
+def failure(exc: BaseException) -> dict:
+    if isinstance(exc, SystemExit):
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code == 0:
-            outcome = {"ok": True, "value": "null"}
-        else:
-            outcome = {"ok": False, "type": "SystemExit", "message": f"exit code {code}", "traceback": ""}
-    except BaseException as exc:  # noqa: BLE001 - every failure of user code is a per-call result
-        outcome = {
-            "ok": False,
-            "type": type(exc).__name__,
-            "message": str(exc)[:10000],
-            "traceback": traceback.format_exc()[-20000:],
-        }
+            return {"ok": True, "value": "null"}
+        return {"ok": False, "type": "SystemExit", "message": f"exit code {code}", "traceback": ""}
+    return {
+        "ok": False,
+        "type": type(exc).__name__,
+        "message": str(exc)[:10000],
+        "traceback": traceback.format_exc()[-20000:],
+    }
+
+
+def flush_std() -> None:
     try:
         sys.stdout.flush()
         sys.stderr.flush()
     except BaseException:  # noqa: BLE001
         pass
-    data = json.dumps(outcome).encode()
+
+
+def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(RESULT_FD, view) :]
-    return 0
+        view = view[os.write(fd, view) :]
 
 
 def run_script(path: str, full: str) -> int:
