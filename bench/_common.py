@@ -26,6 +26,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def launcher_cpu_seconds(node_pid: int) -> float:
+    """CPU the node's running shoal-launcher (runtime="shoal") has used: a child the node reaps only when it
+    stops, so the node's cutime/cstime miss it while it serves. Its own time only: the sandboxes it reaps are
+    counted in their cgroups already."""
+    total = 0.0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.find("(") + 1 : stat.rfind(")")], stat.rsplit(")", 1)[1].split()
+        if name == "shoal-launcher" and int(fields[1]) == node_pid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def summary(name: str, seconds: list[float], wall: float | None = None) -> str:
     p50, p99 = statistics.median(seconds) * 1e3, pct(seconds, 0.99) * 1e3
     rate = f"{len(seconds) / wall:8.1f}/s" if wall else " " * 10

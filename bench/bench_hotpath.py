@@ -1,12 +1,14 @@
 """The node's hot path (issue 12): CPU per operation and latency beside the raw tools, in one run.
 
     python bench/bench_hotpath.py [--n 100] [--live 500,1000,3000] [--only exec,claim] [--profile DIR]
+                                  [--runtimes crun,shoal]
 
 Prints, for the container kind on image busybox:
   - node CPU-ms per create+close and per exec `true` (utime+stime of the node's own process, all its threads,
     from /proc/<pid>/stat; the runtimes it spawns are not in it) and whole-machine CPU-ms per op (/proc/stat:
     on a shared machine this includes other work, so read it as an upper bound);
-  - cold create p50/p99 beside raw `crun run -d` of a prepared bundle and a whole bwrap cycle;
+  - cold create p50/p99 beside raw `crun run -d` of a prepared bundle and a whole bwrap cycle, per runtime
+    (--runtimes: crun and shoal's own launcher, runtime="shoal", by default);
   - create+exec+close at 16 concurrent; warm-pool claim p50/p99; exec `true` p50/p99; exec throughput over
     16 sandboxes; the trajectory log's added latency per exec (record=True vs record=False);
   - the create rate with 0 and with each --live N sandboxes alive, the time to create them and the node's
@@ -38,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import BenchNode, pct  # noqa: E402
+from _common import BenchNode, launcher_cpu_seconds, pct  # noqa: E402
 
 import shoal  # noqa: E402
 from shoal import cgroups  # noqa: E402
@@ -62,6 +64,7 @@ def shoal_cpu_ms(pid: int) -> float:
     not in it: the machine figure bounds that from above."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     own = sum(int(v) for v in fields[11:15]) * TICK_MS  # utime, stime, cutime, cstime
+    own += launcher_cpu_seconds(pid) * 1e3  # runtime="shoal": its launcher runs on, unreaped
     return own + (cgroups.cpu_seconds(os.environ["SHOAL_CGROUP_PARENT"]) or 0.0) * 1e3
 
 
@@ -188,13 +191,15 @@ class Profiler:
             self.proc = None
 
 
-async def create_close(client: shoal.AsyncClient, n: int, pid: int, prof: Profiler) -> None:
+async def create_close(client: shoal.AsyncClient, n: int, pid: int, prof: Profiler, runtime: str) -> list[float]:
+    """Rows of sequential create+close on `runtime` (crun's rows keep their names; others are tagged)."""
+    tag = "" if runtime == "crun" else f" [{runtime}]"
     creates, cycles = [], []
-    prof.start("create_close")
+    prof.start(f"create_close_{runtime}")
     with Meter(pid) as meter:
         for _ in range(n):
             t = time.perf_counter()
-            sb = await client.create(image=IMAGE, pool=False, ttl_s=TTL)
+            sb = await client.create(image=IMAGE, pool=False, ttl_s=TTL, runtime=runtime)
             creates.append(time.perf_counter() - t)
             await sb.close()
             cycles.append(time.perf_counter() - t)
@@ -202,34 +207,43 @@ async def create_close(client: shoal.AsyncClient, n: int, pid: int, prof: Profil
     node, machine = meter.per(n)
     # the same with one sandbox of the image alive, as on a node in use: its layer stays mounted, while above
     # every create mounts it (erofs) and every close unmounts it
-    holder = await client.create(image=IMAGE, pool=False, ttl_s=TTL)
+    holder = await client.create(image=IMAGE, pool=False, ttl_s=TTL, runtime=runtime)
     try:
         with Meter(pid) as held:
             for _ in range(n):
-                sb = await client.create(image=IMAGE, pool=False, ttl_s=TTL)
+                sb = await client.create(image=IMAGE, pool=False, ttl_s=TTL, runtime=runtime)
                 await sb.close()
     finally:
         await holder.close()
     node_held, machine_held = held.per(n)
     split = f"user {held.user / n:.1f} + sys {held.sys / n:.1f}"
-    row("node CPU per create+close", f"{node_held:.2f} ms ({split}; {node:.2f} alone)", "<= 3 ms", node_held <= 3)
-    row("shoal CPU per create+close (node+runtime+sbx)", f"{held.shoal / n:.2f} ms ({meter.shoal / n:.2f} alone)")
-    row("machine CPU per create+close (all processes)", f"{machine_held:.2f} ms ({machine:.2f} ms alone)")
+    row(f"node CPU per create+close{tag}", f"{node_held:.2f} ms ({split}; {node:.2f} alone)", "<= 3 ms",
+        node_held <= 3)  # fmt: skip
+    row(f"shoal CPU per create+close{tag}", f"{held.shoal / n:.2f} ms ({meter.shoal / n:.2f} alone)")
+    row(f"machine CPU per create+close{tag}", f"{machine_held:.2f} ms ({machine:.2f} ms alone)")
+    row(f"create+close, sequential{tag}", f"{lat(cycles)}, {n / meter.wall:.0f}/s")
+    return creates
+
+
+async def create_rows(client: shoal.AsyncClient, n: int, pid: int, prof: Profiler, runtimes: list[str]) -> None:
+    """create+close on each runtime, then cold create beside raw `crun run -d` and a bwrap cycle."""
+    creates = {runtime: await create_close(client, n, pid, prof, runtime) for runtime in runtimes}
     rc, rb = raw("crun-create", n), raw("bwrap", n)
     bwrap_p50 = statistics.median(rb["seconds"])
-    row("cold create -> ready", lat(creates), "<= bwrap cycle p50", statistics.median(creates) <= bwrap_p50)
+    for runtime, seconds in creates.items():
+        tag = "" if runtime == "crun" else f" [{runtime}]"
+        row(f"cold create -> ready{tag}", lat(seconds), "<= bwrap cycle p50", statistics.median(seconds) <= bwrap_p50)
     row("  raw crun run -d (prepared bundle)", f"{lat(rc['seconds'])}, {rc['cpu_ms']:.1f} CPU-ms")
     row("  raw crun cycle: overlay, run -d, delete", f"{rc['cycle_cpu_ms']:.1f} CPU-ms")
     row("  raw bwrap cycle (`true`, ro layer)", f"{lat(rb['seconds'])}, {rb['cpu_ms']:.1f} CPU-ms")
-    row("create+close, sequential", f"{lat(cycles)}, {n / meter.wall:.0f}/s")
 
 
-async def concurrent_cycles(client: shoal.AsyncClient, n: int, pid: int) -> None:
+async def concurrent_cycles(client: shoal.AsyncClient, n: int, pid: int, runtime: str) -> None:
     gate = asyncio.Semaphore(16)
 
     async def one() -> None:
         async with gate:
-            sb = await client.create(image=IMAGE, pool=False, ttl_s=TTL)
+            sb = await client.create(image=IMAGE, pool=False, ttl_s=TTL, runtime=runtime)
             await sb.exec(["true"])
             await sb.close()
 
@@ -237,8 +251,9 @@ async def concurrent_cycles(client: shoal.AsyncClient, n: int, pid: int) -> None
         await asyncio.gather(*(one() for _ in range(n)))
     rate = n / meter.wall
     node, machine = meter.per(n)
-    row("create+exec+close, 16 concurrent", f"{rate:.0f}/s (node {node:.2f}, machine {machine:.1f} CPU-ms/op)",
-        ">= 150/s", rate >= 150)  # fmt: skip
+    tag = "" if runtime == "crun" else f" [{runtime}]"
+    row(f"create+exec+close, 16 concurrent{tag}", f"{rate:.0f}/s (node {node:.2f}, shoal {meter.shoal / n:.1f}, "
+        f"machine {machine:.1f} CPU-ms/op)", ">= 150/s", rate >= 150)  # fmt: skip
 
 
 async def claims(client: shoal.AsyncClient, n: int) -> None:
@@ -397,13 +412,16 @@ async def main(args: argparse.Namespace) -> None:
             await sb.exec(["true"])
             await sb.close()
             pid = (await client.status())["pid"]
+            runtimes = args.runtimes.split(",")
+            for runtime in runtimes[1:]:  # warm: the launcher of runtime="shoal" starts on first use
+                await (await client.create(image=IMAGE, pool=False, ttl_s=TTL, runtime=runtime)).close()
             prof = Profiler(args.profile, pid)
             load = os.getloadavg()[0]
             print(f"shoal hot path — image {IMAGE}, n={n}, node pid {pid}, load average {load:.1f}\n")
             print(f"  {'measure':<46} {'this run':<44} {'target':<22}")
             sections = {
-                "create": lambda: create_close(client, n, pid, prof),
-                "concurrent": lambda: concurrent_cycles(client, 2 * n, pid),
+                "create": lambda: create_rows(client, n, pid, prof, runtimes),
+                "concurrent": lambda: _each(concurrent_cycles(client, 2 * n, pid, r) for r in runtimes),
                 "claim": lambda: claims(client, min(n, 50)),
                 "exec": lambda: execs(client, 5 * n, pid, prof),
                 "throughput": lambda: exec_throughput(client, max(20, n // 2), pid),
@@ -416,11 +434,19 @@ async def main(args: argparse.Namespace) -> None:
         node.stop()
 
 
+async def _each(coros) -> None:  # noqa: ANN001
+    for coro in coros:
+        await coro
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=100, help="iterations per row")
     parser.add_argument("--live", default="200", help="sandboxes alive for the flat-rate rows: N or N1,N2,...")
     parser.add_argument("--only", help="comma-separated sections: create,concurrent,claim,exec,throughput,live")
     parser.add_argument("--profile", metavar="DIR", help="record py-spy flame graphs of the node into DIR")
+    parser.add_argument("--runtimes", default="crun,shoal",
+                        help="container runtimes of the create and concurrent rows, side by side (crun's rows "
+                        "keep their names; the others are tagged [runtime])")  # fmt: skip
     parser.add_argument("--name", default="hotpath", help="the bench node's home: /tmp/shoal-bench-NAME")
     asyncio.run(main(parser.parse_args()))

@@ -11,9 +11,11 @@ the same with record=False (`bare`), warm-pool claims (`claim`) and exec through
 the per-round CPU figures, whose spread shows how far the load moved them.
 
 `create` (sequential create -> close; latency of the create) and `conc` (create + exec `true` + close,
-16 at a time) also print shoal's CPU per op: the node with the children it reaped (the runtimes) and its
-sandboxes' cgroups, as bench_hotpath's "shoal CPU" counts it, and the machine's (all processes, noisy);
-with `create`, raw `crun run -d` of a prepared bundle and a bwrap cycle run in the same rounds.
+16 at a time) run on --runtime (R, or BEFORE:AFTER: `src src --runtime crun:shoal` compares two runtimes
+on one tree) and also print shoal's CPU per op: the node with the children it reaped (the runtimes; or its
+running shoal-launcher) and its sandboxes' cgroups, as bench_hotpath's "shoal CPU" counts it, and the
+machine's (all processes, noisy); with `create`, raw `crun run -d` of a prepared bundle and a bwrap cycle
+run in the same rounds.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import IMAGES, cpu_seconds, pct  # noqa: E402
+from _common import IMAGES, cpu_seconds, launcher_cpu_seconds, pct  # noqa: E402
 
 import shoal  # noqa: E402
 from shoal import cgroups  # noqa: E402
@@ -64,9 +66,10 @@ TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
 def shoal_cpu_s(v: Variant) -> float:
-    """The node, the runtimes it reaped and its sandboxes' cgroups (what a create costs shoal, all in)."""
+    """The node, the runtimes it reaped (or its running shoal-launcher) and its sandboxes' cgroups (what a
+    create costs shoal, all in)."""
     fields = Path(f"/proc/{v.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    own = sum(int(x) for x in fields[11:15]) * TICK_S
+    own = sum(int(x) for x in fields[11:15]) * TICK_S + launcher_cpu_seconds(v.pid)
     return own + (cgroups.cpu_seconds(f"{RUN}-{v.name}") or 0.0)
 
 
@@ -76,8 +79,8 @@ def machine_cpu_s() -> float:
 
 
 class Variant:
-    def __init__(self, name: str, client: shoal.AsyncClient, pid: int) -> None:
-        self.name, self.client, self.pid = name, client, pid
+    def __init__(self, name: str, client: shoal.AsyncClient, pid: int, runtime: str = "crun") -> None:
+        self.name, self.client, self.pid, self.runtime = name, client, pid, runtime
         self.seconds: dict[str, list[float]] = {}
         self.cpu: dict[str, list[float]] = {}
         self.rates: list[float] = []
@@ -117,7 +120,7 @@ async def create_round(v: Variant, n: int) -> None:
     seconds, cpu0, shoal0, machine0 = [], cpu_seconds(v.pid), shoal_cpu_s(v), machine_cpu_s()
     for _ in range(n):
         t = time.perf_counter()
-        sb = await v.client.create(image=IMAGE, pool=False, ttl_s=TTL)
+        sb = await v.client.create(image=IMAGE, pool=False, ttl_s=TTL, runtime=v.runtime)
         seconds.append(time.perf_counter() - t)
         await sb.close()
     v.add("create", seconds, (cpu_seconds(v.pid) - cpu0) * 1e3 / n)
@@ -131,7 +134,7 @@ async def concurrent_round(v: Variant, n: int) -> None:
 
     async def one() -> None:
         async with gate:
-            sb = await v.client.create(image=IMAGE, pool=False, ttl_s=TTL)
+            sb = await v.client.create(image=IMAGE, pool=False, ttl_s=TTL, runtime=v.runtime)
             await sb.exec(["true"])
             await sb.close()
 
@@ -172,6 +175,7 @@ async def throughput_round(v: Variant, per: int) -> None:
 
 async def main(args: argparse.Namespace) -> None:
     trees = {"before": args.before, "after": args.after}
+    runtimes = dict(zip(trees, (args.runtime.split(":") * 2)[:2], strict=True))
     homes: dict[str, str] = {}
     variants: list[Variant] = []
     raws: dict[str, list] = {}
@@ -180,7 +184,7 @@ async def main(args: argparse.Namespace) -> None:
             homes[name] = start_node(name, src)
             client = shoal.AsyncClient(home=homes[name], autostart=False)
             await client.__aenter__()
-            variants.append(Variant(name, client, (await client.status())["pid"]))
+            variants.append(Variant(name, client, (await client.status())["pid"], runtimes[name]))
         for v in variants:
             v.logged = await v.client.create(image=IMAGE, pool=False, ttl_s=TTL)
             v.unlogged = await v.client.create(image=IMAGE, pool=False, ttl_s=TTL, record=False)
@@ -213,7 +217,8 @@ async def main(args: argparse.Namespace) -> None:
         for home in homes.values():
             stop_node(home)
             subprocess.run(["rm", "-rf", "--one-file-system", home], check=False)  # the node closed its sandboxes
-    print(f"load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds of n={args.n}, alternated")
+    print(f"load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds of n={args.n}, alternated; runtime of "
+          f"create/conc: before {runtimes['before']}, after {runtimes['after']}")  # fmt: skip
     for what in args.only.split(","):
         for v in variants:
             cpu = v.cpu.get(what, [])
@@ -255,6 +260,8 @@ if __name__ == "__main__":
     parser.add_argument("--n", type=int, default=100, help="execs per round (claims: at most 30)")
     parser.add_argument("--only", default="exec,bare,claim,tput", help="also: create, conc")
     parser.add_argument("--image", default=IMAGE)
+    parser.add_argument("--runtime", default="crun", help="runtime of the create/conc rounds: R, or BEFORE:AFTER "
+                        "(e.g. `src src --runtime crun:shoal` compares the runtimes on one tree)")  # fmt: skip
     arguments = parser.parse_args()
     IMAGE = arguments.image
     asyncio.run(main(arguments))
