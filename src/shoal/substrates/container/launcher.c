@@ -11,7 +11,9 @@
  *                     "op=create" with id=, rootfs=, overlay=, log=, pidfile=, cgroup=<relative path>, mem=, pids=,
  *                     shares=, quota=, period=, hostname=, tmpfs=<path>...; the agent's listening socket rides along
  *                     (SCM_RIGHTS) and becomes the sandbox's fd 3.
- *   launcher -> node: "<id> ok <pid>" once the agent has been exec'd, or "<id> err <reason>".
+ *                     "op=destroy" with id=, pid=: SIGKILL that sandbox's init, reap it, remove its cgroup.
+ *   launcher -> node: "<id> ok <pid>" once the agent has been exec'd, or "<id> err <reason>"; for a destroy
+ *                     "<id> ok 0" once done, or "<id> gone 0" (not a sandbox of this launcher's).
  * The launcher exits when the node's end closes (the node stopped or died); sandboxes keep running.
  */
 #define _GNU_SOURCE
@@ -70,6 +72,22 @@ struct pending {
 };
 static struct pending pending[MAX_PENDING];
 static int npending;
+
+/* The sandboxes this launcher made and has not reaped yet: their init's pid and cgroup; `destroy` set once the
+ * node asked to destroy it (answered when it has been reaped and its cgroup removed) */
+struct sandbox {
+    pid_t pid;
+    char cgroup[512];
+    char destroy[64];
+};
+static struct sandbox *sandboxes;
+static int nsandboxes, capsandboxes;
+
+static struct sandbox *find_sandbox(pid_t pid) {
+    for (int i = 0; i < nsandboxes; i++)
+        if (sandboxes[i].pid == pid) return &sandboxes[i];
+    return NULL;
+}
 
 static void reply(const char *fmt, ...) {
     char buf[8192];
@@ -410,6 +428,19 @@ static void create(const struct request *r, int listen_fd) {
         reply("%s err starting the sandbox: %s", r->id, strerror(errno));
         goto out;
     }
+    if (nsandboxes == capsandboxes) {
+        int cap = capsandboxes ? 2 * capsandboxes : 256;
+        struct sandbox *grown = realloc(sandboxes, cap * sizeof *grown);
+        if (!grown) {
+            kill(pid, SIGKILL);
+            reply("%s err out of memory", r->id);
+            goto out;
+        }
+        sandboxes = grown, capsandboxes = cap;
+    }
+    sandboxes[nsandboxes].pid = pid;
+    snprintf(sandboxes[nsandboxes].cgroup, sizeof sandboxes[nsandboxes].cgroup, "%s", r->cgroup);
+    sandboxes[nsandboxes++].destroy[0] = 0;
     pending[npending].fd = status[0];
     pending[npending].pid = pid;
     snprintf(pending[npending].id, sizeof pending[npending].id, "%s", r->id);
@@ -433,6 +464,37 @@ static void finish(int i) {
     }
     close(pending[i].fd);
     pending[i] = pending[--npending];
+}
+
+/* A sandbox's init was reaped: the kernel killed the rest of its PID namespace before it could exit, so its
+ * cgroup is empty; if the node asked to destroy it, remove the cgroup and answer */
+static void reaped(pid_t pid) {
+    struct sandbox *sb = find_sandbox(pid);
+    if (!sb) return;
+    if (sb->destroy[0]) {
+        char dir[4200];
+        const char *failed = NULL;
+        for (int i = 0; i < conf.ncg; i++) {
+            snprintf(dir, sizeof dir, "%s/%s", conf.cg[i], sb->cgroup);
+            if (rmdir(dir) < 0 && errno != ENOENT) failed = conf.cg[i];
+        }
+        if (failed) reply("%s err cgroup %s/%s: %s", sb->destroy, failed, sb->cgroup, strerror(errno));
+        else reply("%s ok 0", sb->destroy);
+    }
+    *sb = sandboxes[--nsandboxes];
+}
+
+/* Kill a sandbox this launcher made; answered once it has been reaped (see reaped), or at once with "gone"
+ * if it is no child of this launcher's (already reaped, or made by an earlier launcher) */
+static void destroy(const char *id, const char *pid_text) {
+    pid_t pid = atoi(pid_text);
+    struct sandbox *sb = pid > 0 ? find_sandbox(pid) : NULL;
+    if (!sb) {
+        reply("%s gone 0", id);
+        return;
+    }
+    snprintf(sb->destroy, sizeof sb->destroy, "%s", id);
+    kill(pid, SIGKILL); /* our unreaped child: the pid cannot have been reused */
 }
 
 /* ------------------------------------------------------------------ requests */
@@ -486,6 +548,10 @@ static void handle(char *msg, size_t len, int fd) {
     if (!strcmp(fields[0], "op=init")) {
         if (init(fields + 1, n - 1) < 0) reply("init err incomplete or malformed init message");
         else reply("init ok 0");
+        goto out;
+    }
+    if (!strcmp(fields[0], "op=destroy") && n == 3 && !strncmp(fields[1], "id=", 3) && !strncmp(fields[2], "pid=", 4)) {
+        destroy(fields[1] + 3, fields[2] + 4);
         goto out;
     }
     struct request r = {.id = "?", .rootfs = "", .overlay = "", .log = "", .pidfile = "", .cgroup = "", .mem = "",
@@ -553,8 +619,8 @@ int main(void) {
             struct signalfd_siginfo info;
             while (read(sfd, &info, sizeof info) > 0) {
             }
-            while (waitpid(-1, NULL, WNOHANG) > 0) { /* sandboxes whose init has exited: no zombies */
-            }
+            pid_t pid;
+            while ((pid = waitpid(-1, NULL, WNOHANG)) > 0) reaped(pid); /* no zombies */
         }
         for (int i = nfds - 1; i >= 2; i--)
             if (fds[i].revents) finish(i - 2);

@@ -22,6 +22,7 @@ import asyncio
 import base64
 import contextlib
 import itertools
+import logging
 import os
 import resource
 import signal
@@ -36,6 +37,7 @@ from shoal.substrates.container import oci
 from shoal.substrates.container.seccomp import seccomp_bpf_base64
 from shoal.tasks import TaskOwner
 
+log = logging.getLogger("shoal.node")
 _DIR = Path(__file__).resolve().parent
 _SOURCE = _DIR / "launcher.c"
 _BINARY = _DIR / "shoal-launcher"
@@ -150,6 +152,22 @@ class Launcher:
         on_pid(pid)
         return pid
 
+    async def destroy(self, pid: int) -> bool:
+        """SIGKILL sandbox init `pid`, reaped and its cgroup removed by the launcher when this returns True.
+
+        False: the running launcher did not make it (a sandbox re-adopted from an earlier node, or one whose
+        init is gone already), or no launcher runs: the caller kills it and removes its cgroup itself."""
+        if self._sock is None:
+            return False
+        try:
+            answer = await self._send("destroy", [("pid", str(pid))])
+            status, rest = await asyncio.wait_for(asyncio.shield(answer), CREATE_TIMEOUT_S)
+        except (SandboxLostError, TimeoutError):
+            return False
+        if status == "err":  # killed and reaped, but a cgroup directory stayed: the caller's cleanup retries
+            log.warning("the shoal launcher could not remove a cgroup: %s", rest)
+        return status in ("ok", "err")
+
     async def _ensure_started(self) -> None:
         if self._sock is not None:
             return
@@ -183,7 +201,7 @@ class Launcher:
         if sock is None:
             raise SandboxLostError("the shoal launcher is not running")
         ident = "init" if op == "init" else str(next(self._ids))
-        payload = _message(op, [("id", ident), *fields])
+        payload = _message(op, [("id", ident), *fields])  # a destroy: exactly id=, pid= (launcher.c reads them so)
         answer: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
         self._waiters[ident] = answer
         try:
@@ -277,7 +295,13 @@ class ShoalRuntime:
         return False
 
     async def kill_directly(self, container_id: str, pid: int, cgroup_path: str) -> bool:
-        """SIGKILL the sandbox's init (the kernel kills the rest of its PID namespace) and wait for it."""
+        """SIGKILL the sandbox's init (the kernel kills the rest of its PID namespace) and wait for it.
+
+        The launcher that made it (its parent) does it when it can: it reaps the init at once and removes the
+        cgroup then, where a kill from here would find the cgroup busy with a zombie until the launcher got
+        to reap it (tens of ms on a loaded machine). A sandbox of an earlier launcher's is killed from here."""
+        if await self.launcher.destroy(pid):
+            return True
         try:
             if f"{cgroup_path}\n" not in Path(f"/proc/{pid}/cgroup").read_text():
                 return False
