@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from shoal.errors import InvalidRequestError
 from shoal.protocol import ExecRequest, ExecResult, FileEntry, SandboxInfo, SandboxSpec
 
 # ---------------------------------------------------------------- how an operation is routed (by a gateway)
@@ -83,8 +84,6 @@ class Op:
 
     def convert(self, args: dict[str, Any]) -> msgspec.Struct:
         """The arguments checked and typed; an InvalidRequestError names what is wrong."""
-        from shoal.errors import InvalidRequestError
-
         try:
             return msgspec.convert(args, self.request, strict=False)
         except msgspec.ValidationError as exc:
@@ -301,8 +300,6 @@ def get(name: str) -> Op:
     """The operation `name`, or an InvalidRequestError listing the known ones."""
     op = OPS.get(name)
     if op is None:
-        from shoal.errors import InvalidRequestError
-
         raise InvalidRequestError(f"unknown operation {name!r}; operations: {', '.join(sorted(OPS))}")
     return op
 

@@ -18,6 +18,8 @@ from typing import Any
 
 import msgspec
 
+from shoal.errors import to_wire
+
 log = logging.getLogger("shoal.protocol")
 
 PROTOCOL_VERSION = 1
@@ -264,8 +266,6 @@ def decode_response(body: bytes) -> Response:
 def error_response(request: Request, exc: BaseException) -> Response:
     """The response to a request that raised `exc`: the one exception-to-wire mapping (errors.to_wire);
     an unexpected exception (a bug) is logged with its traceback."""
-    from shoal.errors import to_wire
-
     kind, message, expected = to_wire(exc)
     if not expected:
         log.error("operation %s failed", request.op, exc_info=exc)

@@ -41,6 +41,15 @@ from typing import Any
 import msgspec
 
 from shoal import settings
+from shoal.errors import (
+    CapacityError,
+    DivergenceError,
+    InvalidRequestError,
+    PayloadNotKeptError,
+    ShoalError,
+    from_wire,
+    to_wire,
+)
 from shoal.node.intents import IntentJournal
 from shoal.node.walsync import WalSync
 from shoal.steps import (
@@ -199,8 +208,6 @@ class TrajectoryLog:
             raise self._error(exc) from exc
 
     def _error(self, exc: sqlite3.Error | OSError) -> Exception:
-        from shoal.errors import CapacityError, ShoalError
-
         if "full" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC:
             return CapacityError(
                 f"the trajectory log {self.path} cannot be written: no space left; free disk space "
@@ -591,8 +598,6 @@ class Recorder:
         self.fast_forwarded = 0
 
     async def step(self, sandbox: Any, op: str, args: dict[str, Any], seq: int | None, run: Any) -> Any:
-        from shoal.errors import DivergenceError, InvalidRequestError
-
         if not sandbox.spec.record:
             return await run()
         big = _payload_size(op, args) > _OFF_LOOP_BYTES
@@ -669,8 +674,6 @@ def _payload_size(op: str, args: dict[str, Any]) -> int:
 async def _read_again(sandbox_id: str, seq: int, args: dict[str, Any], kept: dict[str, Any], run: Any) -> Any:
     """A logged read whose bytes the log did not keep: read the file again and give it back only if it is
     still exactly what step `seq` read (same digest and size)."""
-    from shoal.errors import PayloadNotKeptError
-
     try:
         data = await run()
     except (OSError, ValueError) as exc:
@@ -692,16 +695,12 @@ async def _read_again(sandbox_id: str, seq: int, args: dict[str, Any], kept: dic
 
 
 def _error(exc: BaseException) -> tuple[str, str]:
-    from shoal.errors import to_wire
-
     kind, message, _ = to_wire(exc)
     return kind, message
 
 
 def _replay_outcome(step: Step) -> Any:
     """The logged result of a step, or its logged error raised again."""
-    from shoal.errors import from_wire
-
     if step.error_type is None:
         return step.result
     raise from_wire(step.error_type, step.error or "")
