@@ -183,7 +183,8 @@ def shoal_ways(lc: LocalCluster, rows: dict[str, Row], args: argparse.Namespace)
         async with shoal.AsyncClient(url, token=token) as client:
             start = time.perf_counter()
             count = 0
-            async for value in client.map(lambda x: x, range(args.map_items), concurrency=c, isolation=isolation):
+            options = {"isolation": isolation} if isolation != "item" else {}  # an older tree knows only "item"
+            async for value in client.map(lambda x: x, range(args.map_items), concurrency=c, **options):
                 assert value == count, value
                 count += 1
             return time.perf_counter() - start, []
