@@ -382,8 +382,7 @@ static void do_background(const unsigned char *pl, uint32_t plen) {
         send_err(errno, "background %s: pipe: %s", rq.argv[0], strerror(errno));
         return;
     }
-    int go[2] = {-1, -1};
-    if (outp[0] < 0 || pipe2(sigchld_pipe, O_CLOEXEC | O_NONBLOCK) < 0 || pipe2(go, O_CLOEXEC) < 0) {
+    if (outp[0] < 0 || pipe2(sigchld_pipe, O_CLOEXEC | O_NONBLOCK) < 0) {
         send_err(errno, "background %s: pipe: %s", rq.argv[0], strerror(errno));
         return;
     }
@@ -396,22 +395,20 @@ static void do_background(const unsigned char *pl, uint32_t plen) {
     for (int i = 0; slots && i < AGENT_SLOTS; i++)
         if (slots[i].pid == (int)getpid())
             bg_me = &slots[i];
-    pid_t pid = fork();
+    /* Started as an exec's command is (spawn_exec: a child sharing our memory, no fork of the keeper), which
+       sends the start's 'P' (its pid, ours: the process's ID) itself before it execs: the command starts only
+       once the node can know it started. */
+    flush_out();
+    struct spawn sp = {rq.cwd, rq.uid, rq.gid, slave >= 0 ? slave : inp[0], slave >= 0 ? slave : outp[1],
+                       slave >= 0 ? slave : (merge ? outp[1] : errp[1]), rq.argv, rq.envp, 0};
+    pid_t pid = spawn_exec(&sp);
     if (pid < 0) {
         send_err(errno, "background %s: fork: %s", rq.argv[0], strerror(errno));
         return;
     }
-    if (pid == 0) {
-        close(go[1]);
-        char ready;
-        while (read(go[0], &ready, 1) < 0 && errno == EINTR) {
-        }
-        if (slave >= 0)
-            exec_child(rq.cwd, rq.uid, rq.gid, slave, slave, slave, rq.argv, rq.envp);
-        exec_child(rq.cwd, rq.uid, rq.gid, inp[0], outp[1], merge ? outp[1] : errp[1], rq.argv, rq.envp);
-    }
-    close(go[0]);
     cmd_pid = pid;
+    if (sp.failed) /* the connection broke before the pid frame went out: the command did not start */
+        conn_lost();
     if (slave >= 0)
         close(slave);
     if (outp[1] >= 0)
@@ -435,12 +432,6 @@ static void do_background(const unsigned char *pl, uint32_t plen) {
     uint32_t cap = rq.cap ? rq.cap : BG_RING_DEFAULT;
     for (int k = 0; k < 2; k++)
         bg_ring[k] = (struct tail){NULL, cap < 4096 ? 4096 : cap, 0, 0, 0};
-    unsigned char hdr[8];
-    put_u32(hdr, (uint32_t)pid);
-    put_u32(hdr + 4, (uint32_t)getpid());
-    send_frame('P', hdr, 8);
-    flush_out();
-    close(go[1]);
     if (rq.flags & EXEC_BG_FOLLOW) { /* the starter stays, a follower from offset 0 as if it had attached */
         struct bg_client *cl = &bg_cl[0];
         memset(cl, 0, sizeof(*cl));
