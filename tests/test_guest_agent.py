@@ -161,6 +161,13 @@ async def test_commands_start_with_default_signal_dispositions(agent: Agent) -> 
     for _ in range(3):  # the kept connection's handler starts these
         done = await exec_done(agent.client, ["cat", "/proc/self/status"])
         assert masks(bytes(done.stdout)) == {"SigBlk": 0, "SigIgn": 0, "SigCgt": 0}  # type: ignore[attr-defined]
+    for _ in range(2):  # background processes too (the second on the spare connection), on a terminal too
+        _, _, follower = await agent.client.background_follow(["cat", "/proc/self/status"], env=ENV)
+        assert follower is not None
+        assert masks((await _drain(follower))[0]) == {"SigBlk": 0, "SigIgn": 0, "SigCgt": 0}
+    _, _, follower = await agent.client.background_follow(["cat", "/proc/self/status"], env=ENV, size=(24, 80))
+    assert follower is not None
+    assert masks((await _drain(follower))[0].replace(b"\r\n", b"\n")) == {"SigBlk": 0, "SigIgn": 0, "SigCgt": 0}
 
 
 async def test_exec_killed_by_signal(agent: Agent) -> None:
