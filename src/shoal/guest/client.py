@@ -2,7 +2,8 @@
 
 Every operation opens its own connection to the agent's Unix socket, except the node's exec step
 (``exec_run``): its connection is kept for the next exec when the command left nothing running, so an exec
-on a kept connection costs the agent one fork (the command's) instead of an accept and two.  A background
+on a kept connection costs the agent one process, the command's (a vfork-style clone that sends the pid
+frame and execs), instead of an accept and two forks.  A background
 start is sent on a connection dialled ahead (the spare: dialled once the previous start got its pid, so the
 agent forks the handler that becomes the next keeper while no start waits on it).  Frames are
 ``u32 length (type byte + payload) | u8 type | payload``, all integers big-endian.
