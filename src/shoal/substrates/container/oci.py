@@ -76,6 +76,7 @@ def bundle_config(
     agent_dir: str | None = None,
     userns_base: int | None = None,
     tmpfs: tuple[str, ...] = (),
+    rootfs: str = "rootfs",
 ) -> dict[str, Any]:
     """config.json for a sandbox whose PID 1 is the shoal agent (with an empty tmpfs at each `tmpfs` path).
 
@@ -157,7 +158,7 @@ def bundle_config(
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}],
             "noNewPrivileges": True,
         },
-        "root": {"path": "rootfs", "readonly": False},
+        "root": {"path": rootfs, "readonly": False},
         "hostname": hostname,
         "mounts": mounts,
         "linux": {

@@ -58,6 +58,7 @@ class ContainerSubstrate(Substrate):
         self.default_disk_mb: int | None = settings.DEFAULT_DISK_MB.get()  # a cap for sandboxes that name none
         self.default_cpu = default_cpu  # the cap of sandboxes that name no cpu= (NodeSettings.default_cpu)
         self._private_mounts = PrivateMounts()
+        self._shared: tuple[Path, Path] | None = None  # made on first use: _shared_dirs
         self._launcher = launcher.Launcher(self.agent_binary, runtime_root / "shoal-launcher.log")
 
     def runtime(self, name: str) -> OciRuntime | launcher.ShoalRuntime:
@@ -99,10 +100,13 @@ class ContainerSubstrate(Substrate):
             record = {"id": sandbox_id, "kind": self.kind, "runtime": runtime.name, "cgroup": instance.cgroup_path}
             _write(directory / "record.json", json.dumps(record))
             disk_mb = spec.disk_mb or self.default_disk_mb
+            # crun and runc mount the overlay in a private namespace of each sandbox's own: one shared mount
+            # point serves them all, and a layer of the node's gives the agent's mount point (see _shared_dirs)
+            shared = isinstance(runtime, OciRuntime) and runtime.own_mount_ns and shift is None
             if disk_mb or shift is not None:  # formatting, copying, shifting: off the loop
                 upper, overlay = await asyncio.to_thread(self._prepare_rootfs, directory, image, disk_mb, shift)
             else:
-                upper, overlay = self._prepare_rootfs(directory, image)
+                upper, overlay = self._prepare_rootfs(directory, image, shared=shared)
             instance.upper = str(upper)
             if isinstance(runtime, launcher.ShoalRuntime):
                 listener = _listen(instance.agent_socket)
@@ -121,7 +125,8 @@ class ContainerSubstrate(Substrate):
                 instance.rootfs = overlay.target
             cpu = spec.cpu if spec.cpu is not None else self.default_cpu
             agent = str(agent_dir) if agent_dir else None
-            shape = (self.agent_binary, cpu, spec.memory_mb, spec.pids, agent, shift, tuple(spec.tmpfs))
+            rootfs = overlay.target if shared else "rootfs"
+            shape = (self.agent_binary, cpu, spec.memory_mb, spec.pids, agent, shift, tuple(spec.tmpfs), rootfs)
             config = _config_text(shape).replace(_CGROUP_TOKEN, instance.cgroup_path)
             if agent_dir:
                 agent_dir.mkdir()
@@ -152,14 +157,20 @@ class ContainerSubstrate(Substrate):
         return instance
 
     def _prepare_rootfs(
-        self, directory: Path, image: Image, disk_mb: int | None = None, shift: int | None = None
+        self, directory: Path, image: Image, disk_mb: int | None = None, shift: int | None = None, shared: bool = False
     ) -> tuple[Path, Mount]:
         """Make the overlay's directories (the upper on the sandbox's own disk with disk_mb); return the upper
-        and the overlay mount for rootfs/ (made by the caller: in the node's namespace or a private one)."""
-        (directory / "rootfs").mkdir()
+        and the overlay mount for rootfs/ (made by the caller: in the node's namespace or a private one), or,
+        `shared`, for the node's one mount point with the node's agent mount point layer on top."""
         home = self.sandboxes_dir.parent
         base = disk.mount_disk(directory, home / "disk-templates", disk_mb, node_tag(home)) if disk_mb else directory
         layers = image.layers
+        if shared:
+            mountpoint, top = self._shared_dirs()
+            target, layers = str(mountpoint), (*layers, top)
+        else:
+            target = str(directory / "rootfs")
+            (directory / "rootfs").mkdir()
         for sub in ("upper", "work"):
             (base / sub).mkdir()
         if shift is not None:
@@ -168,7 +179,25 @@ class ContainerSubstrate(Substrate):
                 os.chown(path, shift, shift)
         lowers = ":".join(str(layer) for layer in reversed(layers))
         options = f"lowerdir={lowers},upperdir={base / 'upper'},workdir={base / 'work'}"
-        return base / "upper", Mount("overlay", str(directory / "rootfs"), "overlay", options)
+        return base / "upper", Mount("overlay", target, "overlay", options)
+
+    def _shared_dirs(self) -> tuple[Path, Path]:
+        """The node's overlay mount point for crun and runc sandboxes, and its layer holding the agent's mount
+        point (`/.shoal/agent`, an empty file), made once.
+
+        Why (issue 12): each sandbox's overlay is mounted only in a mount namespace of its own (mountns.py), so
+        one directory serves as every sandbox's mount point; and with the agent's mount point in a lower
+        layer, the runtime's bind mount of the agent no longer creates `.shoal/agent` (and copies `.shoal`
+        up) in the sandbox's upper. Each was a journalled ext4 directory or file made at every create and
+        removed at every close (rmdir frees a directory's block: the node's costliest syscall per close)."""
+        if self._shared is None:
+            home = self.sandboxes_dir.parent
+            mountpoint, top = home / "rootfs", home / "agent-mountpoint"
+            mountpoint.mkdir(exist_ok=True)
+            (top / ".shoal").mkdir(parents=True, exist_ok=True)
+            (top / ".shoal" / "agent").touch(exist_ok=True)
+            self._shared = (mountpoint, top)
+        return self._shared
 
     async def destroy(self, instance: Instance) -> None:
         runtime = self.runtime(instance.runtime or "crun")
@@ -289,10 +318,10 @@ _CGROUP_TOKEN = "@@shoal-cgroup-path@@"
 @functools.lru_cache(maxsize=64)
 def _config_text(shape: tuple) -> str:
     """config.json of one sandbox shape, rendered once: a create only puts its cgroup path in."""
-    agent_binary, cpu, memory_mb, pids, agent_dir, shift, tmpfs = shape
+    agent_binary, cpu, memory_mb, pids, agent_dir, shift, tmpfs, rootfs = shape
     config = bundle_config(
         hostname="sandbox", agent_binary=agent_binary, cgroup_path=_CGROUP_TOKEN, cpu=cpu, memory_mb=memory_mb,
-        pids=pids, agent_dir=agent_dir, userns_base=shift, tmpfs=tmpfs,
+        pids=pids, agent_dir=agent_dir, userns_base=shift, tmpfs=tmpfs, rootfs=rootfs,
     )  # fmt: skip
     return json.dumps(config)
 
