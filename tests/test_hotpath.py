@@ -13,7 +13,7 @@ import pytest
 from conftest import NodeProcess, no_leftovers, sandbox_roots
 
 import shoal
-from shoal import linux
+from shoal import linux, settings
 from shoal.node.trajectory import TrajectoryLog
 
 
@@ -118,6 +118,40 @@ def test_live_sandboxes_do_not_grow_the_nodes_mount_table(client: shoal.Client, 
     finally:
         for sb in [first, *more]:
             sb.close()
+    assert not no_leftovers(node.home, node.cgroup_parent)
+
+
+@pytest.mark.skipif(settings.TEST_USERNS.is_set(), reason="userns sandboxes keep a mount point of their own")
+@pytest.mark.parametrize("runtime", ["crun", "runc"])
+def test_a_sandbox_directory_holds_only_what_the_sandbox_wrote(
+    client: shoal.Client, node: NodeProcess, runtime
+) -> None:  # noqa: ANN001, E501
+    """Issue 12: every directory or file made on the home's ext4 per create is removed again per close. A crun
+    or runc sandbox's overlay is mounted on the node's one mount point (in its own namespace) and the agent's
+    mount point comes from a node layer: the state directory holds the bundle's files, the overlay's upper
+    (only what the sandbox wrote) and work directories, and nothing else; the agent still runs from
+    /.shoal/agent, which the sandbox cannot replace."""
+    with client.create(image="busybox", pool=False, ttl_s=600, runtime=runtime) as sb:
+        directory = node.home / "sandboxes" / sb.id
+        if (directory / "disk").is_dir():
+            pytest.skip("this node gives sandboxes a disk of their own (SHOAL_DEFAULT_DISK_MB): the upper is on it")
+        sb.files.write("/mine", b"x")
+        assert sb.exec(
+            "test -f /.shoal/agent && ls /.shoal && grep -c ' /.shoal/agent ' /proc/self/mountinfo"
+        ).stdout.split() == ["agent", "1"]  # noqa: E501
+        assert sb.exec("rm -f /.shoal/agent || echo refused").stdout.strip() == "refused"
+        names = sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+        assert names == [
+            "agent.sock",
+            "config.json",
+            "pid",
+            "record.json",
+            "runtime.log",
+            "upper",
+            "upper/mine",
+            "work",
+            "work/work",
+        ]  # noqa: E501
     assert not no_leftovers(node.home, node.cgroup_parent)
 
 
