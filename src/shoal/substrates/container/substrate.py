@@ -63,8 +63,7 @@ class ContainerSubstrate(Substrate):
 
     def runtime(self, name: str) -> OciRuntime | launcher.ShoalRuntime:
         if name not in self._runtimes:
-            if name == launcher.NAME:
-                launcher.check_host(self.userns_base)
+            if name == launcher.NAME:  # (create checks the host: closing one must work whatever changed)
                 self._runtimes[name] = launcher.ShoalRuntime(self._launcher)
             else:
                 self._runtimes[name] = OciRuntime.find(name, self.state_root)
@@ -81,6 +80,8 @@ class ContainerSubstrate(Substrate):
                 "sb.snapshot(name) and create from it, or use kind microvm/vm"
             )
         runtime = self.runtime(spec.runtime)
+        if isinstance(runtime, launcher.ShoalRuntime):
+            launcher.check_host(self.userns_base)
         directory = self.sandboxes_dir / sandbox_id
         agent_dir = None if runtime.passes_fds else directory / "agent"
         instance = Instance(
