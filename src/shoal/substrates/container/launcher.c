@@ -313,22 +313,60 @@ static const char *base_name(const char *hierarchy) {
     return slash ? slash + 1 : hierarchy;
 }
 
-/* Make the sandbox's cgroup in every hierarchy and write its limits; on error, why (errno set) */
+/* The sandboxes' parent cgroup (e.g. shoal), made in every hierarchy once per launcher: its cpuset gets its
+ * parent's cpus and mems and `cgroup.clone_children`, so the kernel gives each new sandbox cgroup the same
+ * (a new v1 cpuset has none, and nothing may run in it) */
+static char ready_parent[2048];
+
+static int make_parent(const char *rel_parent) {
+    char parent[4200];
+    for (int i = 0; i < conf.ncg; i++) {
+        const char *h = conf.cg[i];
+        snprintf(parent, sizeof parent, "%s/%s", h, rel_parent);
+        if (mkdir(parent, 0755) < 0 && errno != EEXIST) return -1;
+        if (strcmp(base_name(h), "cpuset") == 0) {
+            if (cpuset_inherit(parent, h) < 0 || write_file(parent, "cgroup.clone_children", "1") < 0) return -1;
+        }
+    }
+    snprintf(ready_parent, sizeof ready_parent, "%s", rel_parent);
+    return 0;
+}
+
+static int write_devices(const char *dir) {
+    if (write_file(dir, "devices.deny", "a") < 0) return -1;
+    char path[4300];
+    snprintf(path, sizeof path, "%s/devices.allow", dir);
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    for (int d = 0; d < conf.ndev; d++) { /* one rule per write, on one open file */
+        if (write(fd, conf.dev[d], strlen(conf.dev[d])) != (ssize_t)strlen(conf.dev[d])) {
+            int saved = errno;
+            close(fd);
+            errno = saved;
+            return -1;
+        }
+    }
+    close(fd);
+    return 0;
+}
+
+/* Make the sandbox's cgroup in every hierarchy and write its limits (crun's, for the bundle oci.py makes);
+ * on error, why */
 static const char *make_cgroup(const struct request *r) {
     static char why[4800];
-    char parent[4200], dir[4200], rel_parent[2048];
+    char dir[4200], rel_parent[2048];
     snprintf(rel_parent, sizeof rel_parent, "%s", r->cgroup);
     char *cut = strrchr(rel_parent, '/');
     if (cut) *cut = 0;
+    snprintf(dir, sizeof dir, "%s", rel_parent);
+    if (cut && strcmp(ready_parent, rel_parent) && make_parent(rel_parent) < 0) goto failed;
     for (int i = 0; i < conf.ncg; i++) {
         const char *h = conf.cg[i], *name = base_name(h);
-        int cpuset = strcmp(name, "cpuset") == 0;
-        snprintf(parent, sizeof parent, "%s/%s", h, cut ? rel_parent : "");
         snprintf(dir, sizeof dir, "%s/%s", h, r->cgroup);
-        if (cut && mkdir(parent, 0755) < 0 && errno != EEXIST) goto failed;
-        if (cut && cpuset && cpuset_inherit(parent, h) < 0) goto failed;
-        if (mkdir(dir, 0755) < 0) goto failed;
-        if (cpuset && cpuset_inherit(dir, parent) < 0) goto failed;
+        if (mkdir(dir, 0755) < 0) {
+            /* the parent went (removed while no sandbox was in it): make it again */
+            if (errno != ENOENT || !cut || make_parent(rel_parent) < 0 || mkdir(dir, 0755) < 0) goto failed;
+        }
         if (strcmp(name, "memory") == 0 && r->mem[0]) {
             if (write_file(dir, "memory.limit_in_bytes", r->mem) < 0) goto failed;
             if (write_file(dir, "memory.memsw.limit_in_bytes", r->mem) < 0 && errno != ENOENT) goto failed;
@@ -341,9 +379,9 @@ static const char *make_cgroup(const struct request *r) {
                 if (write_file(dir, "cpu.cfs_quota_us", r->quota) < 0) goto failed;
             }
         } else if (strcmp(name, "devices") == 0) {
-            if (write_file(dir, "devices.deny", "a") < 0) goto failed;
-            for (int d = 0; d < conf.ndev; d++)
-                if (write_file(dir, "devices.allow", conf.dev[d]) < 0) goto failed;
+            if (write_devices(dir) < 0) goto failed;
+        } else if (strcmp(name, "cpuset") == 0 && !cut) {
+            if (cpuset_inherit(dir, h) < 0) goto failed;
         }
     }
     return NULL;
