@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import DEBIAN_RELEASE, FETCH, NodeProcess, no_leftovers, outside_network
+from conftest import DEBIAN_RELEASE, FETCH, NodeProcess, no_leftovers, outside_network, runtime_unavailable
 
 import shoal
 
@@ -143,9 +143,12 @@ def test_default_is_loopback_only(nclient: shoal.Client, hosts: tuple[EchoHost, 
         assert sb.exec("ls /sys/class/net").stdout.split() == ["lo"]
 
 
-def test_allowlist_by_address_and_port(nclient: shoal.Client, hosts: tuple[EchoHost, EchoHost]) -> None:
+@pytest.mark.parametrize("runtime", ["crun", "shoal"])
+def test_allowlist_by_address_and_port(nclient: shoal.Client, hosts: tuple[EchoHost, EchoHost], runtime: str) -> None:
+    if reason := runtime_unavailable(runtime):
+        pytest.skip(reason)
     a, b = hosts
-    with nclient.create(image="debian", pool=False, network=[f"tcp://{a.address}:8080"]) as sb:
+    with nclient.create(image="debian", pool=False, network=[f"tcp://{a.address}:8080"], runtime=runtime) as sb:
         got = reach(sb, f"{a.address}:8080", f"{a.address}:9090", f"{b.address}:8080", f"{a.gateway}:22")
         assert got == {
             f"{a.address}:8080": "open",
@@ -169,11 +172,16 @@ def test_private_and_metadata_ranges_blocked_unless_named(
         }
 
 
-def test_sandboxes_cannot_reach_each_other(nclient: shoal.Client, hosts: tuple[EchoHost, EchoHost]) -> None:
+@pytest.mark.parametrize("runtime", ["crun", "shoal"])
+def test_sandboxes_cannot_reach_each_other(
+    nclient: shoal.Client, hosts: tuple[EchoHost, EchoHost], runtime: str
+) -> None:
+    if reason := runtime_unavailable(runtime):
+        pytest.skip(reason)
     a, _ = hosts
     with (
-        nclient.create(image="debian", pool=False, network="mirror") as one,
-        nclient.create(image="debian", pool=False, network="mirror") as two,
+        nclient.create(image="debian", pool=False, network="mirror", runtime=runtime) as one,
+        nclient.create(image="debian", pool=False, network="mirror", runtime=runtime) as two,
     ):
         address = one.set_network("mirror")["address"]
         one.exec("python3 -m http.server 8000 >/dev/null 2>&1 &")
@@ -380,8 +388,11 @@ def test_ipv6_is_off_in_sandboxes(nclient: shoal.Client, netnode: NodeProcess) -
         assert got == dict.fromkeys(targets, "ENETUNREACH"), got
 
 
-def test_no_plumbing_left_after_close(nclient: shoal.Client, netnode: NodeProcess) -> None:
-    made = [nclient.create(image="busybox", pool=False, network="mirror") for _ in range(4)]
+@pytest.mark.parametrize("runtime", ["crun", "shoal"])
+def test_no_plumbing_left_after_close(nclient: shoal.Client, netnode: NodeProcess, runtime: str) -> None:
+    if reason := runtime_unavailable(runtime):
+        pytest.skip(reason)
+    made = [nclient.create(image="busybox", pool=False, network="mirror", runtime=runtime) for _ in range(4)]
     made[0].set_network("none")
     for sb in made:
         sb.close()
