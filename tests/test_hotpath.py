@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, no_leftovers, sandbox_roots
+from conftest import NodeProcess, no_leftovers, runtime_unavailable, sandbox_roots
 
 import shoal
 from shoal import linux, settings
@@ -122,7 +122,7 @@ def test_live_sandboxes_do_not_grow_the_nodes_mount_table(client: shoal.Client, 
 
 
 @pytest.mark.skipif(settings.TEST_USERNS.is_set(), reason="userns sandboxes keep a mount point of their own")
-@pytest.mark.parametrize("runtime", ["crun", "runc"])
+@pytest.mark.parametrize("runtime", ["crun", "runc", "shoal"])
 def test_a_sandbox_directory_holds_only_what_the_sandbox_wrote(
     client: shoal.Client, node: NodeProcess, runtime
 ) -> None:  # noqa: ANN001, E501
@@ -131,6 +131,8 @@ def test_a_sandbox_directory_holds_only_what_the_sandbox_wrote(
     mount point comes from a node layer: the state directory holds the bundle's files, the overlay's upper
     (only what the sandbox wrote) and work directories, and nothing else; the agent still runs from
     /.shoal/agent, which the sandbox cannot replace."""
+    if reason := runtime_unavailable(runtime):
+        pytest.skip(reason)
     with client.create(image="busybox", pool=False, ttl_s=600, runtime=runtime) as sb:
         directory = node.home / "sandboxes" / sb.id
         if (directory / "disk").is_dir():
@@ -141,9 +143,10 @@ def test_a_sandbox_directory_holds_only_what_the_sandbox_wrote(
         ).stdout.split() == ["agent", "1"]  # noqa: E501
         assert sb.exec("rm -f /.shoal/agent || echo refused").stdout.strip() == "refused"
         names = sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+        bundle = [] if runtime == "shoal" else ["config.json"]  # shoal's launcher reads no bundle
         assert names == [
             "agent.sock",
-            "config.json",
+            *bundle,
             "pid",
             "record.json",
             "runtime.log",

@@ -209,10 +209,15 @@ static void child(const struct request *r, int sync_fd, int listen_fd, int log_f
     mount_or_fail("shm", root, "/dev/shm", "tmpfs", MS_NOSUID | MS_NOEXEC | MS_NODEV, "mode=1777,size=65536k");
     mount_or_fail("mqueue", root, "/dev/mqueue", "mqueue", MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
     mount_or_fail("sysfs", root, "/sys", "sysfs", MS_NOSUID | MS_NOEXEC | MS_NODEV | MS_RDONLY, NULL);
-    if (mkdir("/.shoal", 0755) < 0 && errno != EEXIST) fail("mkdir", "/.shoal");
-    int fd = open("/.shoal/agent", O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0755);
-    if (fd < 0) fail("create", "/.shoal/agent");
-    close(fd);
+    /* the agent's mount point: in the node's top layer (nothing made in the upper), else made here */
+    struct stat st;
+    if (lstat("/.shoal/agent", &st) < 0 || !S_ISREG(st.st_mode)) {
+        if (mkdir("/.shoal", 0755) < 0 && errno != EEXIST) fail("mkdir", "/.shoal");
+        int made = open("/.shoal/agent", O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0755);
+        if (made < 0) fail("create", "/.shoal/agent");
+        close(made);
+    }
+    int fd;
     if (move_mount(agent_fd, "", AT_FDCWD, "/.shoal/agent", MOVE_MOUNT_F_EMPTY_PATH) < 0)
         fail("move_mount", "/.shoal/agent");
     close(agent_fd);

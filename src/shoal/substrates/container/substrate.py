@@ -53,7 +53,7 @@ class ContainerSubstrate(Substrate):
         self.state_root = state_root or runtime_root  # the OCI runtimes' --root (config.runtime_state_root)
         self.cgroup_parent = cgroup_parent
         self.agent_binary = str(agent_binary_path())
-        self._runtimes: dict[str, OciRuntime] = {}
+        self._runtimes: dict[str, OciRuntime | launcher.ShoalRuntime] = {}
         self.userns_base: int | None = settings.USERNS.get()
         self.default_disk_mb: int | None = settings.DEFAULT_DISK_MB.get()  # a cap for sandboxes that name none
         self.default_cpu = default_cpu  # the cap of sandboxes that name no cpu= (NodeSettings.default_cpu)
@@ -103,7 +103,7 @@ class ContainerSubstrate(Substrate):
             disk_mb = spec.disk_mb or self.default_disk_mb
             # crun and runc mount the overlay in a private namespace of each sandbox's own: one shared mount
             # point serves them all, and a layer of the node's gives the agent's mount point (see _shared_dirs)
-            shared = isinstance(runtime, OciRuntime) and runtime.own_mount_ns and shift is None
+            shared = runtime.own_mount_ns and shift is None  # the shoal launcher's too
             if disk_mb or shift is not None:  # formatting, copying, shifting: off the loop
                 upper, overlay = await asyncio.to_thread(self._prepare_rootfs, directory, image, disk_mb, shift)
             else:
