@@ -121,14 +121,18 @@ def test_sigkilled_node_leaves_shoal_sandboxes_running_and_its_successor_adopts_
                 sb.files.write("/kept", f"file {i}")
                 sb.exec("sleep 1000 >/dev/null 2>&1 &")
             kept[1].pause()
+            victim = client.create(image="busybox", runtime="shoal", pool=False, ttl_s=600)
+            victim_pid = int((doomed.home / "sandboxes" / victim.id / "pid").read_text())
             launcher_pid = _launchers(doomed.pid)[0]
         doomed.stop(signal.SIGKILL)
         _until(lambda: not Path(f"/proc/{launcher_pid}").exists())  # its socket closed: it exited
         found = leftovers(doomed.home, doomed.cgroup_parent)
-        assert len(found["agents"]) == 2 and found["mounts"] == []  # still running, reparented, no zombie
+        assert len(found["agents"]) == 3 and found["mounts"] == []  # still running, reparented, no zombie
+        os.kill(victim_pid, signal.SIGKILL)  # this one dies while no node watches: its successor removes it
         restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
         with restarted.client() as client:
             assert sorted(client.status()["adopted"]) == sorted(s.id for s in kept)
+            assert victim.id in client.status()["lost"]
             for i, sb in enumerate(kept):
                 again = client.get(sb.id)
                 assert again.files.read_text("/kept") == f"file {i}"  # the paused one: resumed transparently
