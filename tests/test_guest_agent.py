@@ -710,7 +710,8 @@ async def test_background_start_is_served_by_a_handler_forked_ahead(agent: Agent
     """Once it started a background process the client holds a spare connection, whose handler the agent
     forked while nothing waited on it: the next start goes there (that handler becomes its keeper, the ID).
     A spare whose handler was killed in the sandbox is passed over; close() lets the spare's handler go."""
-    base = children(agent.proc.pid)  # the agent's reserve
+    await agent.client.hello()  # the agent is up, its reserve forked (before its first accept)
+    base = children(agent.proc.pid)  # the reserve (and the hello's handler, if it has not exited yet)
     _, first, follower = await agent.client.background_follow(["true"], env=ENV)
     assert follower is not None
     await _drain(follower)
@@ -760,6 +761,7 @@ async def test_a_spare_that_answers_an_error_is_passed_over(agent: Agent) -> Non
 async def test_requests_the_reserve_serves_let_the_spare_go(agent: Agent) -> None:
     """Hello, the process list and kills close the spare first: at the pids limit a spare goes to the agent's
     reserve, which would wait on it (5 s) before serving them, and the node's liveness check is a hello."""
+    await agent.client.hello()  # the agent is up, its reserve forked (before its first accept)
     base = children(agent.proc.pid)
     for request in (agent.client.hello, agent.client.processes, agent.client.kill_processes):
         _, id = await agent.client.background(["true"], env=ENV)
