@@ -105,9 +105,11 @@ def test_pause_resume_and_close_leave_nothing(tmp_path: Path) -> None:
             with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as after:
                 assert after.exec("echo again").stdout == "again\n"
             assert not no_leftovers(node.home, node.cgroup_parent)
+            second = _launchers(node.pid)
+            assert len(second) == 1 and second != launchers
     finally:
         node.stop()
-    assert not _launchers(node.pid)
+    _until(lambda: not Path(f"/proc/{second[0]}").exists())  # it ended with the node, and was reaped
     assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
 
 
