@@ -609,7 +609,7 @@ def test_map_with_batch_isolation_shares_one_child_per_batch(client: shoal.Clien
     """isolation="batch": a batch's items run in one child (what one leaves, the next sees), each with its
     own value or error in place, its own output and its own timeout; an item that ends the child fails alone
     and the rest of the batch start afresh; the next batch shares nothing; the default stays per item."""
-    out = list(client.map(SHARING, range(10), entry="f", batch=8, isolation="batch", timeout=3))
+    out = list(client.map(SHARING, range(10), entry="f", batch=8, isolation="batch", timeout=10))
     marks = [f"mark-{x}" for x in range(10)]
     assert out[:3] == [[[0], marks[:1]], [[0, 1], marks[:2]], [[0, 1, 2], marks[:3]]]
     assert isinstance(out[3], FunctionError) and out[3].type == "WorkerCrashed" and "code 7" in out[3].message
