@@ -494,14 +494,19 @@ out:
         if (fd[n] >= 0) close(fd[n]);
 }
 
-/* The child's status pipe closed (exec'd: the agent runs) or carried its reason */
+/* The child's status pipe closed (exec'd: the agent runs, or it died) or carried its reason */
 static void finish(int i) {
     char buf[700];
     ssize_t n = read(pending[i].fd, buf, sizeof buf - 1);
     if (n < 0 && errno == EINTR) return;
+    siginfo_t info = {0};
     if (n > 0) {
         buf[n] = 0;
         reply("%s err %s", pending[i].id, buf);
+    } else if (!find_sandbox(pending[i].pid) ||
+               (waitid(P_PID, pending[i].pid, &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid)) {
+        /* the pipe closed because the child died (a kill, an OOM kill while it set up), not because it exec'd */
+        reply("%s err the sandbox's init died while it started (status %d)", pending[i].id, info.si_status);
     } else {
         reply("%s ok %d", pending[i].id, pending[i].pid);
     }
