@@ -127,9 +127,8 @@ def agent_of(sb: shoal.AsyncSandbox, keep: bool = True) -> AgentClient:
     """The sandbox's agent socket, reached from this process as the node reaches it: with `keep`, an exec's
     connection is kept for the next (as the node does); without, every exec dials its own (the agent forks
     a handler per exec, as it did before kept connections)."""
-    home = Path(os.environ["SHOAL_HOME"]) / "sandboxes" / sb.id
-    path = home / "agent.sock" if (home / "agent.sock").exists() else home / "agent" / "agent.sock"
-    agent = AgentClient(str(path))
+    record = json.loads((Path(os.environ["SHOAL_HOME"]) / "sandboxes" / sb.id / "record.json").read_text())
+    agent = AgentClient(record["node"]["agent_socket"])  # where the node dials it (the bundle's, on tmpfs)
     if not keep:
         agent.KEEP = 0
     return agent

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -122,12 +123,20 @@ def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dic
         vm_files += [str(p) for p in (home / "vm-snapshots").glob("*")]
     # the OCI runtimes' state of each container (on tmpfs, config.runtime_state_root); a stopped node's root too
     shm = shm_state_dir(home)
-    runtime_state = [str(p) for root in (shm, home / "runtime") for n in ("crun", "runc") for p in root.glob(f"{n}/*")]
+    runtime_state = [
+        str(p) for r in (shm, home / "runtime") for n in ("crun", "runc", "bundles") for p in r.glob(f"{n}/*")
+    ]
     if node_stopped and shm.exists():
         runtime_state.append(str(shm))
     return {"mounts": mounts, "cgroups": cgroup_dirs, "agents": agents, "agent_helpers": helpers, "qemu": vms,
             "dirs": dirs, "links": links, "runtime_state": runtime_state,
             "nft": nft, "loops": loops, "vm_files": vm_files, "layers": layer_mounts(home)}  # fmt: skip
+
+
+def sandbox_pid(home: Path, sandbox_id: str) -> int:
+    """The host pid of a container sandbox's agent (its init), as the node recorded it in record.json."""
+    record = json.loads((home / "sandboxes" / sandbox_id / "record.json").read_text())
+    return int(record["node"]["instance"]["pid"])
 
 
 def sandbox_roots(home: Path, cgroup_parent: str) -> list[str]:

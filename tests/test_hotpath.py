@@ -10,10 +10,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, no_leftovers, runtime_unavailable, sandbox_roots
+from conftest import NodeProcess, no_leftovers, runtime_unavailable, sandbox_pid, sandbox_roots
 
 import shoal
 from shoal import linux, settings
+from shoal.config import shm_state_dir
 from shoal.node.trajectory import TrajectoryLog
 
 
@@ -112,7 +113,7 @@ def test_live_sandboxes_do_not_grow_the_nodes_mount_table(client: shoal.Client, 
         roots = sandbox_roots(node.home, node.cgroup_parent)
         assert len(roots) >= 5  # (other tests' sandboxes of this session's node may live too)
         for sb in [first, *more]:
-            assert int((node.home / "sandboxes" / sb.id / "pid").read_text()) in [int(p) for p in roots]
+            assert sandbox_pid(node.home, sb.id) in [int(p) for p in roots]
             sb.files.write("/mine", sb.id.encode())
             assert sb.exec("cat /mine").stdout == sb.id  # each its own upper
     finally:
@@ -124,13 +125,14 @@ def test_live_sandboxes_do_not_grow_the_nodes_mount_table(client: shoal.Client, 
 @pytest.mark.skipif(settings.TEST_USERNS.is_set(), reason="userns sandboxes keep a mount point of their own")
 @pytest.mark.parametrize("runtime", ["crun", "runc", "shoal"])
 def test_a_sandbox_directory_holds_only_what_the_sandbox_wrote(
-    client: shoal.Client, node: NodeProcess, runtime
-) -> None:  # noqa: ANN001, E501
-    """Issue 12: every directory or file made on the home's ext4 per create is removed again per close. A crun
-    or runc sandbox's overlay is mounted on the node's one mount point (in its own namespace) and the agent's
-    mount point comes from a node layer: the state directory holds the bundle's files, the overlay's upper
-    (only what the sandbox wrote) and work directories, and nothing else; the agent still runs from
-    /.shoal/agent, which the sandbox cannot replace."""
+    client: shoal.Client, node: NodeProcess, runtime: str
+) -> None:  # noqa: E501
+    """Issue 12: every directory or file made on the home's ext4 per create is removed again per close. A
+    sandbox's overlay is mounted on the node's one mount point (in its own namespace), the agent's mount point
+    comes from a node layer, and crun's and runc's bundle files sit beside the runtime's state (tmpfs where
+    there is one): the state directory holds its record, the overlay's upper (only what the sandbox wrote)
+    and work directories (and the shoal launcher's pid, log and socket), nothing else; the agent still runs
+    from /.shoal/agent, which the sandbox cannot replace, and everything goes with the sandbox."""
     if reason := runtime_unavailable(runtime):
         pytest.skip(reason)
     with client.create(image="busybox", pool=False, ttl_s=600, runtime=runtime) as sb:
@@ -138,23 +140,20 @@ def test_a_sandbox_directory_holds_only_what_the_sandbox_wrote(
         if (directory / "disk").is_dir():
             pytest.skip("this node gives sandboxes a disk of their own (SHOAL_DEFAULT_DISK_MB): the upper is on it")
         sb.files.write("/mine", b"x")
-        assert sb.exec(
-            "test -f /.shoal/agent && ls /.shoal && grep -c ' /.shoal/agent ' /proc/self/mountinfo"
-        ).stdout.split() == ["agent", "1"]  # noqa: E501
+        mounted = sb.exec("test -f /.shoal/agent && ls /.shoal && grep -c ' /.shoal/agent ' /proc/self/mountinfo")
+        assert mounted.stdout.split() == ["agent", "1"]
         assert sb.exec("rm -f /.shoal/agent || echo refused").stdout.strip() == "refused"
         names = sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
-        bundle = [] if runtime == "shoal" else ["config.json"]  # shoal's launcher reads no bundle
-        assert names == [
-            "agent.sock",
-            *bundle,
-            "pid",
-            "record.json",
-            "runtime.log",
-            "upper",
-            "upper/mine",
-            "work",
-            "work/work",
-        ]  # noqa: E501
+        own = ["agent.sock", "pid"] if runtime == "shoal" else []  # the launcher's (it reads no bundle)
+        logs = ["runtime.log"] if runtime == "shoal" else []
+        assert names == [*own, "record.json", *logs, "upper", "upper/mine", "work", "work/work"]
+        bundles = [root / "bundles" / sb.id for root in (shm_state_dir(node.home), node.home / "runtime")]
+        found = [b for b in bundles if b.is_dir()]
+        if runtime != "shoal":
+            assert sorted(p.name for p in found[0].iterdir()) == ["agent.sock", "config.json", "pid", "runtime.log"]
+        else:
+            assert found == []
+    assert not any(b.exists() for b in bundles)
     assert not no_leftovers(node.home, node.cgroup_parent)
 
 

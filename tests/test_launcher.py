@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, leftovers, no_leftovers, runtime_unavailable, sandbox_roots
+from conftest import NodeProcess, leftovers, no_leftovers, runtime_unavailable, sandbox_pid, sandbox_roots
 
 import shoal
 from shoal import cgroups
@@ -58,7 +58,7 @@ def _limits(node: NodeProcess, sandbox_id: str) -> dict[str, str]:
 
 
 def _agent_cgroup(node: NodeProcess, sandbox_id: str) -> str:
-    pid = (node.home / "sandboxes" / sandbox_id / "pid").read_text()
+    pid = sandbox_pid(node.home, sandbox_id)
     return "".join(sorted(Path(f"/proc/{pid}/cgroup").read_text().splitlines(keepends=True)))
 
 

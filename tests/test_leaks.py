@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from conftest import NodeProcess, leftovers, no_leftovers, sandbox_roots
+from conftest import NodeProcess, leftovers, no_leftovers, sandbox_pid, sandbox_roots
 
 import shoal
 from shoal.config import default_memory_mb, shm_state_dir
@@ -75,7 +75,7 @@ def test_killed_node_is_reconciled_on_restart(tmp_path) -> None:  # noqa: ANN001
     assert found["mounts"] == []
     dead = sandboxes[:2]
     for sb in dead:  # these die while no node watches them
-        os.kill(int((doomed.home / "sandboxes" / sb.id / "pid").read_text()), signal.SIGKILL)
+        os.kill(sandbox_pid(doomed.home, sb.id), signal.SIGKILL)
     restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
     try:
         with restarted.client() as client:

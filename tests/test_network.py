@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import DEBIAN_RELEASE, FETCH, NodeProcess, no_leftovers, outside_network, runtime_unavailable
+from conftest import DEBIAN_RELEASE, FETCH, NodeProcess, no_leftovers, outside_network, runtime_unavailable, sandbox_pid
 
 import shoal
 
@@ -420,7 +420,7 @@ def test_killed_node_readopts_networked_sandboxes_with_their_policy(
                 assert reach(sb, allowed, other_port, other_host) == expect
                 addresses[sb.id] = sb.exec("cat /etc/resolv.conf; grep -v '^lo' /proc/net/fib_trie | sort -u").stdout
                 assert "nameserver" in addresses[sb.id] and "|--" in addresses[sb.id], addresses[sb.id]
-            victim_pid = int((doomed.home / "sandboxes" / victim.id / "pid").read_text())
+            victim_pid = sandbox_pid(doomed.home, victim.id)
         doomed.stop(signal.SIGKILL)
         assert no_leftovers(doomed.home, doomed.cgroup_parent)["links"]  # the SIGKILL really left them
         os.kill(victim_pid, signal.SIGKILL)  # dies while no node watches it

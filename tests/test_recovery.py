@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, leftovers, no_leftovers, sandbox_roots
+from conftest import NodeProcess, leftovers, no_leftovers, sandbox_pid, sandbox_roots
 from test_network import EchoHost, reach
 
 import shoal
@@ -32,7 +32,7 @@ def test_sigkilled_node_under_load_is_recovered(tmp_path: Path) -> None:
             traj = client.create(image="busybox", pool=False, trajectory="recover/1")
             traj.exec("echo a >> /steps")
             victim = client.create(image="busybox", pool=False, labels={"k": "victim"})
-            victim_pid = int((doomed.home / "sandboxes" / victim.id / "pid").read_text())
+            victim_pid = sandbox_pid(doomed.home, victim.id)
             stop = threading.Event()
 
             def load(sb: shoal.Sandbox) -> None:  # steps in flight when the node dies

@@ -166,7 +166,7 @@ class NodeService:
             with contextlib.suppress(OSError):  # still holds a sandbox's cgroup: keep it
                 parent.rmdir()
         root = self.paths.runtime_state  # on tmpfs, outside the home: gone with the node when empty
-        for directory in [*(root / name for name in ("crun", "runc", "runsc")), root]:
+        for directory in [*(root / name for name in ("crun", "runc", "runsc", "bundles")), root]:
             with contextlib.suppress(OSError):  # holds a container's state (a runtime that failed to delete)
                 directory.rmdir()
 

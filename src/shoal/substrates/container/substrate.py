@@ -7,6 +7,9 @@ Per sandbox, under its state directory:
     upper/ work/  the sandbox's private writes (under disk/, its own size-limited ext4, with disk_mb)
     agent.sock    the agent's listening socket (host side only; the sandbox sees no such file)
     runtime.log   what the runtime (and the agent) printed
+Under crun and runc (no user namespace) config.json, pid, runtime.log and agent.sock are in the bundle
+directory beside the runtimes' state instead (on tmpfs: _bundle_dir), and the overlay is mounted on the
+node's one mount point (_shared_dirs): the state directory keeps record.json, upper/ and work/.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class ContainerSubstrate(Substrate):
         )
         directory.mkdir(parents=True)
         listener: socket.socket | None = None
+        bundle = directory
         # crun only: runc resolves the rootfs as the mapped user (needs a world-traversable path); gVisor has
         # its own user isolation
         shift = self.userns_base if runtime.name == "crun" else None
@@ -105,10 +109,15 @@ class ContainerSubstrate(Substrate):
             # point serves them all, and a layer of the node's gives the agent's mount point (see _shared_dirs)
             shared = runtime.own_mount_ns and shift is None  # the shoal launcher's too
             if disk_mb or shift is not None:  # formatting, copying, shifting: off the loop
-                upper, overlay = await asyncio.to_thread(self._prepare_rootfs, directory, image, disk_mb, shift)
+                upper, overlay = await asyncio.to_thread(self._prepare_rootfs, directory, image, disk_mb, shift, shared)
             else:
                 upper, overlay = self._prepare_rootfs(directory, image, shared=shared)
             instance.upper = str(upper)
+            bundle = directory
+            if shared and isinstance(runtime, OciRuntime):  # bundle files on tmpfs (_bundle_dir); the record implies it
+                bundle = self._bundle_dir(sandbox_id)
+                bundle.mkdir(parents=True)
+                instance.agent_socket = bundle / "agent.sock"
             if isinstance(runtime, launcher.ShoalRuntime):
                 listener = _listen(instance.agent_socket)
                 cpu = spec.cpu if spec.cpu is not None else self.default_cpu
@@ -131,13 +140,13 @@ class ContainerSubstrate(Substrate):
             config = _config_text(shape).replace(_CGROUP_TOKEN, instance.cgroup_path)
             if agent_dir:
                 agent_dir.mkdir()
-            _write(directory / "config.json", config)
+            _write(bundle / "config.json", config)
             if agent_dir is None:
                 listener = _listen(instance.agent_socket)
             fd = listener.fileno() if listener else None
-            await runtime.run_detached(sandbox_id, directory, fd, directory / "runtime.log", starter)
+            await runtime.run_detached(sandbox_id, bundle, fd, bundle / "runtime.log", starter)
             if agent_dir is None:
-                instance.pid = pid = int(_read(directory / "pid"))
+                instance.pid = pid = int(_read(bundle / "pid"))
                 _shield_from_oom_killer(pid)
                 if starter is not None:
                     instance.rootfs = f"/proc/{pid}/root"
@@ -147,7 +156,7 @@ class ContainerSubstrate(Substrate):
             try:
                 with contextlib.suppress(OSError, ValueError):  # `run -d` finished: kill its init directly,
                     if instance.pid is None:  # as close does
-                        instance.pid = int((directory / "pid").read_text())
+                        instance.pid = int((bundle / "pid").read_text())
                 await asyncio.shield(self.destroy(instance))
             except Exception as exc:  # say why the cleanup failed; the create's own error is what it raises
                 log.warning("could not clean up after the failed create of %s: %r", sandbox_id, exc)
@@ -200,12 +209,22 @@ class ContainerSubstrate(Substrate):
             self._shared = (mountpoint, top)
         return self._shared
 
+    def _bundle_dir(self, sandbox_id: str) -> Path:
+        """Where a crun or runc sandbox's bundle files are (config.json, pid, runtime.log, agent.sock): beside
+        the runtime's state, on tmpfs where the host has one (config.runtime_state_root). Why (issue 12):
+        on the home's ext4 each was a journalled inode made at every create and freed at every close. They
+        matter only while the sandbox runs (the node reaches its agent by the socket's path, kept in
+        record.json); a reboot ends the sandbox with them. Derived from the sandbox's ID, so the record
+        written before anything is made is enough to find and remove it."""
+        return self.state_root / "bundles" / sandbox_id
+
     async def destroy(self, instance: Instance) -> None:
         runtime = self.runtime(instance.runtime or "crun")
         pid = instance.pid
         if not (pid and await runtime.kill_directly(instance.id, pid, instance.cgroup_path)):
             await runtime.delete(instance.id)
-        await asyncio.to_thread(_remove_leftovers, instance.directory, instance.cgroup_path)
+        bundle = str(self._bundle_dir(instance.id)) if isinstance(runtime, OciRuntime) else None
+        await asyncio.to_thread(_remove_leftovers, instance.directory, instance.cgroup_path, bundle)
 
     async def destroy_orphan(self, directory: Path) -> None:
         try:
@@ -216,7 +235,8 @@ class ContainerSubstrate(Substrate):
             await self.runtime(record.get("runtime", "crun")).delete(record["id"])
         except Exception:  # runtime gone from this host: still remove mounts, cgroups and files
             pass
-        await asyncio.to_thread(_remove_leftovers, directory, record["cgroup"])
+        bundle = str(self._bundle_dir(record["id"]))
+        await asyncio.to_thread(_remove_leftovers, directory, record["cgroup"], bundle)
 
     async def pause(self, instance: Instance) -> None:
         runtime = self.runtime(instance.runtime or "crun")
@@ -294,9 +314,12 @@ def _shield_from_oom_killer(pid: int) -> None:
         pass
 
 
-def _remove_leftovers(directory: Path, cgroup_path: str) -> None:
-    """Kill stragglers, remove the cgroup, unmount the rootfs and delete the state directory."""
+def _remove_leftovers(directory: Path, cgroup_path: str, bundle: str | None = None) -> None:
+    """Kill stragglers, remove the cgroup, unmount the rootfs and delete the bundle (if elsewhere) and then
+    the state directory (last: its record.json is what a restarted node finds the rest by)."""
     cgroups.remove(cgroup_path)
+    if bundle is not None:
+        linux.remove_directory(bundle)
     rootfs = directory / "rootfs"
     try:
         linux.umount(str(rootfs))
