@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -107,6 +108,15 @@ def test_pause_resume_and_close_leave_nothing(tmp_path: Path) -> None:
             assert not no_leftovers(node.home, node.cgroup_parent)
             second = _launchers(node.pid)
             assert len(second) == 1 and second != launchers
+            # many requests at once: more than a unix packet socket queues (net.unix.max_dgram_qlen, 10), so
+            # senders wait for room, each in turn (all at once, they lost their wake-ups and hung)
+            made = client.create_many(40, image="busybox", runtime="shoal", pool=False, ttl_s=300, concurrency=16)
+            assert all(isinstance(m, shoal.Sandbox) for m in made), made
+            closing = threading.Thread(target=lambda: closed.append(client.close_all()))
+            closed: list[int] = []
+            closing.start()
+            closing.join(300)
+            assert closed == [40]
     finally:
         node.stop()
     _until(lambda: not Path(f"/proc/{second[0]}").exists())  # it ended with the node, and was reaped

@@ -126,6 +126,7 @@ class Launcher:
         self._waiters: dict[str, asyncio.Future[tuple[str, str]]] = {}
         self._ids = itertools.count(1)
         self._starting = asyncio.Lock()
+        self._write_wait = asyncio.Lock()
         self._tasks = TaskOwner("shoal-launcher")
 
     async def create(self, fields: list[tuple[str, str]], listen_fd: int, on_pid: Callable[[int], None]) -> int:
@@ -212,8 +213,9 @@ class Launcher:
                     else:
                         socket.send_fds(sock, [payload], [fd])
                     return answer
-                except BlockingIOError:  # its queue is full: wait until it reads
-                    await _writable(sock)
+                except BlockingIOError:  # its queue is full: wait until it reads (one waiter registered at a
+                    async with self._write_wait:  # time: the loop keeps one writer callback per fd)
+                        await _writable(sock)
         except BaseException as exc:
             self._waiters.pop(ident, None)
             if isinstance(exc, OSError):
