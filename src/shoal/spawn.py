@@ -93,6 +93,26 @@ async def wait_pidfd(pidfd: int, *, timeout: float | None = None) -> None:
         loop.remove_reader(pidfd)
 
 
+async def kill_cgroup_init(pid: int, cgroup_path: str) -> bool:
+    """SIGKILL `pid`, a sandbox's init (the kernel then kills the rest of its PID namespace), and wait for it
+    to exit; False (nothing done) unless `pid` is provably in `cgroup_path`, i.e. not a recycled pid."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as handle:
+            if f"{cgroup_path}\n" not in handle.read():
+                return False
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return False
+    try:
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        await wait_pidfd(pidfd, timeout=10)
+    except (OSError, TimeoutError):
+        return False
+    finally:
+        os.close(pidfd)
+    return True
+
+
 def _kill_and_reap(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)

@@ -304,20 +304,7 @@ class ShoalRuntime:
         to reap it (tens of ms on a loaded machine). A sandbox of an earlier launcher's is killed from here."""
         if await self.launcher.destroy(pid):
             return True
-        try:
-            if f"{cgroup_path}\n" not in Path(f"/proc/{pid}/cgroup").read_text():
-                return False
-            pidfd = os.pidfd_open(pid)
-        except OSError:
-            return False
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            await spawn.wait_pidfd(pidfd, timeout=10)
-        except (OSError, TimeoutError):
-            return False
-        finally:
-            os.close(pidfd)
-        return True
+        return await spawn.kill_cgroup_init(pid, cgroup_path)
 
     async def pause(self, container_id: str, cgroup_path: str) -> None:
         await asyncio.to_thread(cgroups.freeze, cgroup_path, True)

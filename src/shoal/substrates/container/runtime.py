@@ -7,7 +7,6 @@ import fcntl
 import functools
 import os
 import shutil
-import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,21 +152,8 @@ class OciRuntime:
         drop the runtime's state directory (all these runtimes keep for a detached container). The caller
         removes the cgroup. Returns False (do nothing) unless `pid` is provably the container's init.
         """
-        if self.name not in ("crun", "runc"):
+        if self.name not in ("crun", "runc") or not await spawn.kill_cgroup_init(pid, cgroup_path):
             return False
-        try:
-            if f"{cgroup_path}\n" not in Path(f"/proc/{pid}/cgroup").read_text():
-                return False
-            pidfd = os.pidfd_open(pid)
-        except OSError:
-            return False
-        try:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            await spawn.wait_pidfd(pidfd, timeout=10)
-        except (OSError, TimeoutError):
-            return False
-        finally:
-            os.close(pidfd)
         linux.remove_directory(f"{self.state_root}/{container_id}")  # a few files: no walk, no thread
         return True
 
