@@ -45,6 +45,11 @@ def agent() -> Iterator[Agent]:
 
     def to_fd3() -> None:
         os.dup2(fd, 3)
+        # Whatever starts an agent may leave signals ignored or blocked (both survive execve; CI runners do):
+        # the agent must not pass that on to its commands.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGRTMIN, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
 
     # The agent's default listening fd is 3.  Its own session lets teardown kill
     # the agent together with any handler processes still running.

@@ -2973,6 +2973,21 @@ int main(int argc, char **argv) {
         if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
             return 1;
     }
+    /* Start from default signal dispositions and an empty mask, whatever our parent left us: ignored
+       signals and the mask survive execve, and a command resets only the few signals we change (exec_child),
+       so a signal ignored by whatever started us (a CI runner, a shell's nohup) would reach every command.
+       Once per agent, not per command. */
+    struct sigaction cur;
+    for (int s = 1; s < NSIG; s++) {
+        if (s != SIGKILL && s != SIGSTOP && sigaction(s, NULL, &cur) == 0 && cur.sa_handler == SIG_IGN) {
+            cur.sa_handler = SIG_DFL;
+            cur.sa_flags = 0;
+            sigaction(s, &cur, NULL);
+        }
+    }
+    sigset_t unblocked;
+    sigemptyset(&unblocked);
+    sigprocmask(SIG_SETMASK, &unblocked, NULL);
     int fl = serial ? 0 : fcntl(lfd, F_GETFL);
     if (serial) {
         /* handled below, once signals are set up */
