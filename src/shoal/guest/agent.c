@@ -580,6 +580,10 @@ static struct proc *scan_procs(size_t *count) {
             continue;
         int pid = atoi(e->d_name), ppid;
         char state;
+        /* An agent process is taken for one if it is known as one before or after its stat is read: a handler
+           that exits and is reaped (its slot freed) in between would otherwise look like a live command whose
+           exec is itself (kill_processes then reported it left). */
+        int kind = pid == agent_pid ? -1 : slot_kind(pid);
         if (read_stat(pid, &state, &ppid) < 0)
             continue;
         if (n == cap) {
@@ -589,14 +593,16 @@ static struct proc *scan_procs(size_t *count) {
             ps = np;
             cap *= 2;
         }
-        ps[n++] = (struct proc){(pid_t)pid, (pid_t)ppid, 0, 0, state, 0};
+        ps[n++] = (struct proc){(pid_t)pid, (pid_t)ppid, 0, 0, state, kind};
     }
     closedir(d);
     if (!ps)
         return NULL;
     qsort(ps, n, sizeof(*ps), cmp_proc);
-    for (size_t i = 0; i < n; i++)
-        ps[i].kind = ps[i].pid == agent_pid ? -1 : slot_kind(ps[i].pid);
+    for (size_t i = 0; i < n; i++) {
+        if (ps[i].kind == 0)
+            ps[i].kind = slot_kind(ps[i].pid);
+    }
     for (size_t i = 0; i < n; i++) {
         struct proc *p = &ps[i];
         for (int depth = 0; p && depth < 100000; depth++) {
