@@ -7,6 +7,7 @@ import asyncio
 import os
 import sqlite3
 import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ from conftest import NodeProcess, no_leftovers, runtime_unavailable, sandbox_pid
 import shoal
 from shoal import linux, settings
 from shoal.config import shm_state_dir
-from shoal.node.trajectory import TrajectoryLog
+from shoal.node import trajectory
+from shoal.node.trajectory import Recorder, TrajectoryLog
 
 
 async def test_concurrent_steps_share_one_fsync_and_are_all_in_the_log(tmp_path: Path) -> None:
@@ -357,4 +359,60 @@ async def test_a_reader_left_open_does_not_hold_up_the_steps(tmp_path: Path) -> 
         assert log.checkpoints >= 1 and log.next_seq("a") == seq
     finally:
         reader.close()
+        log.close()
+
+
+def _fake_sandbox(name: str) -> types.SimpleNamespace:
+    """What Recorder.step reads and writes of a sandbox."""
+    return types.SimpleNamespace(id=name, spec=types.SimpleNamespace(record=True), next_seq=0, inflight={},
+                                 last_active=0.0)  # fmt: skip
+
+
+async def test_a_logged_step_runs_in_its_requests_task_and_outlives_an_abandoned_connection(tmp_path: Path) -> None:
+    """No task of its own per step (issue 12: a task, a shield and loop passes per exec), yet a request whose
+    connection went away (trajectory.abandon) finishes its logged step and logs it, while a request that has
+    not started its step is cancelled."""
+    log = TrajectoryLog(tmp_path / "trajectory.db", reserve_bytes=0)
+    recorder = Recorder(log)
+    sandbox = _fake_sandbox("s")
+    release = asyncio.Event()
+
+    async def run() -> dict:
+        me = asyncio.current_task()
+        await release.wait()
+        return {"same_task": me is request}
+
+    async def serve() -> dict:
+        return await recorder.step(sandbox, "exec", {"cmd": ["true"]}, None, run)
+
+    try:
+        request = asyncio.ensure_future(serve())
+        idle = asyncio.ensure_future(asyncio.sleep(30))  # a request that is not running a step
+        await asyncio.sleep(0.05)
+        assert sandbox.inflight == {0: request}
+        trajectory.abandon(request)
+        trajectory.abandon(idle)
+        await asyncio.sleep(0.05)
+        assert idle.cancelled() and not request.done()
+        release.set()
+        assert await request == {"same_task": True}
+        assert log.get("s", 0).result == {"same_task": True} and sandbox.inflight == {}
+    finally:
+        log.close()
+
+
+async def test_a_lone_steps_fsync_starts_in_the_loop_pass_of_its_write(tmp_path: Path) -> None:
+    """The result of the only running step: its fdatasync is submitted at once, not a loop pass later (with
+    other steps running it waits that pass, so that their rows share it: the tests above)."""
+    log = TrajectoryLog(tmp_path / "trajectory.db", reserve_bytes=0)
+    try:
+        await log.append("warm", 0, "exec", "k", {}, {}, None, 0.0)
+        if log._aio is None:
+            pytest.skip("Linux AIO cannot fsync on this file system: the syncer thread takes every fsync")
+        await log.begin("a", 0, "exec", "k", {}, 0.0)
+        append = asyncio.ensure_future(log.append("a", 0, "exec", "k", {}, {}, None, 0.0))
+        await asyncio.sleep(0)  # the append's first step ran (row written) in this pass, before this line
+        assert log._aio_inflight == log._written
+        await append
+    finally:
         log.close()

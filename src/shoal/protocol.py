@@ -343,8 +343,8 @@ async def dispatch_requests(
     takeover: frozenset[str] = frozenset(),
 ) -> None:
     """Serve one connection's requests until the peer goes: each runs as its own task, a `cancel` request
-    cancels an earlier one, and on the way out whatever still runs is handed to `abandon`, cancelled and
-    awaited. Shared by the node and the gateway.
+    cancels an earlier one, and on the way out whatever still runs is cancelled (or handed to `abandon`, which
+    decides) and awaited. Shared by the node and the gateway.
 
     With a `guard` (a TCP peer, see shoal.netguard) requests before authentication are small, served one at
     a time and must come before the auth deadline; an idle authenticated connection is closed."""
@@ -400,6 +400,7 @@ async def dispatch_requests(
         pending = list(tasks.values())
         for task in pending:
             if abandon is not None:
-                abandon(task)
-            task.cancel()
+                abandon(task)  # it decides: cancel the task, or let it finish
+            else:
+                task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)

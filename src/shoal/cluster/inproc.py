@@ -8,8 +8,9 @@ request is served by the node's dispatcher (`NodeServer.serve_request`: the oper
 metrics). Requests and responses still cross msgpack, so the caller gets exactly the types a socket gives;
 what goes is the socket: no frames written and read back, no loopback TCP, no netguard, no extra wakeups.
 
-Cancelling a call cancels its request, as a `cancel` frame does; closing the connection hands the requests still
-running to `detached_tasks` and cancels them, as a connection that went away does (a logged step finishes).
+Cancelling a call cancels its request, as a `cancel` frame does; closing the connection abandons the requests
+still running (trajectory.abandon), as a connection that went away does (a logged step finishes, the rest are
+cancelled).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 from shoal import protocol
 from shoal.errors import NodeError, from_wire
 from shoal.node.server import NodeServer
-from shoal.node.trajectory import detached_tasks
+from shoal.node.trajectory import abandon
 from shoal.protocol import Request, Response
 
 _FRAME_HEADER = 4  # protocol.encode's length prefix
@@ -101,8 +102,7 @@ class InProcessConnection:
         self._closed = True
         pending = list(self._tasks.values())
         for task in pending:
-            detached_tasks.add(task)
-            task.cancel()
+            abandon(task)
         await asyncio.gather(*pending, return_exceptions=True)
 
 

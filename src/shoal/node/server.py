@@ -14,8 +14,8 @@ from typing import Any
 
 from shoal import ops, portrelay, protocol
 from shoal.errors import AuthenticationError, InvalidRequestError, SandboxNotFoundError
+from shoal.node import trajectory
 from shoal.node.service import NodeService
-from shoal.node.trajectory import detached_tasks
 from shoal.protocol import Request, Response
 
 log = logging.getLogger("shoal.server")
@@ -59,7 +59,7 @@ class NodeServer:
                     await writer.drain()
 
         try:
-            # a step whose client is gone finishes and is logged (detached), then the task is cancelled
+            # a logged step whose client is gone finishes and is logged; other requests are cancelled
 
             async def serve(request: Request) -> None:
                 if request.op == PORT_CONNECT:
@@ -68,7 +68,7 @@ class NodeServer:
                     await self._serve(request, send, session)
 
             await protocol.dispatch_requests(
-                reader, serve, abandon=detached_tasks.add, guard=guard, takeover=frozenset({PORT_CONNECT})
+                reader, serve, abandon=trajectory.abandon, guard=guard, takeover=frozenset({PORT_CONNECT})
             )
         finally:
             self.connections -= 1

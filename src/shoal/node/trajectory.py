@@ -32,7 +32,6 @@ import queue
 import sqlite3
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,8 +82,17 @@ CHECKPOINT_WRITES = 500  # after this many writes the syncer copies the WAL into
 CHECKPOINT_PASSES = 4  # PASSIVE checkpoints in a row at most, catching up with the writes made while one ran
 BUSY_WAIT = 0.0005  # a write the checkpoint's lock refused is retried after this (seconds), for up to 10 s
 
-# Tasks whose client connection went away: a logged step they run keeps going and is logged (see service).
-detached_tasks: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()
+# Tasks running a logged step now (Recorder.step), with how many: a client that goes away must not stop them.
+_logging: dict[asyncio.Task, int] = {}
+
+
+def abandon(task: asyncio.Task) -> None:
+    """A request whose client went away (its connection closed): cancel it, unless it runs a logged step,
+    which finishes and is logged (its result then has nobody to go to). A request that has not started its
+    step yet is cancelled before it does."""
+    if task not in _logging:
+        task.cancel()
+
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder().decode
@@ -238,15 +246,20 @@ class TrajectoryLog:
         self._written += 1
         self.appended += 1
 
-    def _durable(self, upto: int) -> asyncio.Future:
-        """A future done once an fsync of the WAL covers write number `upto`."""
+    def _durable(self, upto: int, alone: bool = False) -> asyncio.Future:
+        """A future done once an fsync of the WAL covers write number `upto`. `alone`: the row is the result
+        of the only step that was running (no other row can be on its way in this loop pass)."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         if self._synced >= upto:
             done.set_result(None)
             return done
         self._waiters.append((upto, done))
-        if not self._flush_scheduled:  # after the tasks ready now have written too: one fsync for them all
+        if alone and self._aio is not None and self._aio_loop is loop and not self._aio_inflight:
+            # no other step runs, so no other row can join this fsync in this loop pass: it starts now, a pass
+            # sooner (rows written while it runs share the next one, which its completion submits)
+            self._aio_submit()
+        elif not self._flush_scheduled:  # after the tasks ready now have written too: one fsync for them all
             self._flush_scheduled = True
             loop.call_soon(self._request_sync, loop)
         return done
@@ -380,8 +393,10 @@ class TrajectoryLog:
         row = (sandbox_id, seq, op, key, _encode(args), _encode(result), *(error or (None, None)), started_at)
         try:
             await self._write_soon([("INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?,?,?,?)", (*row, time.time()))])
+            running = self.intents.running
+            alone = len(running) == 1 and (sandbox_id, seq) in running
             self.intents.done(sandbox_id, seq)  # superseded (a restarted node skips an intent whose row exists)
-            await self._durable(self._written)
+            await self._durable(self._written, alone)
         except sqlite3.Error as exc:
             raise self._error(exc) from exc
 
@@ -625,15 +640,20 @@ class Recorder:
                 f"issue step {sandbox.next_seq} next (or omit seq to append)"
             )
         sandbox.next_seq = seq + 1
-        task = asyncio.ensure_future(self._run_and_log(sandbox, seq, op, key, args, run))
+        # The step runs in the request's own task, not in a task of its own behind a shield (a task, a shield
+        # future and three loop passes per step: issue 12). A client that goes away does not stop it: `abandon`
+        # leaves a task running a logged step uncancelled. A client that cancels it stops it (logged as such).
+        task = asyncio.current_task()
+        assert task is not None
         sandbox.inflight[seq] = task
+        _logging[task] = _logging.get(task, 0) + 1
         try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if asyncio.current_task() not in detached_tasks:
-                task.cancel()  # the client itself cancelled: stop the step (it is logged as cancelled)
-                await asyncio.wait({task})
-            raise
+            return await self._run_and_log(sandbox, seq, op, key, args, run)
+        finally:
+            if _logging[task] == 1:
+                del _logging[task]
+            else:
+                _logging[task] -= 1
 
     async def _run_and_log(self, sandbox: Any, seq: int, op: str, key: str, args: dict, run: Any) -> Any:
         started = time.time()
