@@ -1,7 +1,7 @@
 """The node's hot path (issue 12): CPU per operation and latency beside the raw tools, in one run.
 
     python bench/bench_hotpath.py [--n 100] [--live 500,1000,3000] [--only exec,claim] [--profile DIR]
-                                  [--runtimes crun,shoal]
+                                  [--runtimes crun,shoal] [--live-runtime shoal]
 
 Prints, for the container kind on image busybox:
   - node CPU-ms per create+close and per exec `true` (utime+stime of the node's own process, all its threads,
@@ -358,10 +358,10 @@ async def exec_throughput(client: shoal.AsyncClient, per: int, pid: int) -> None
         f"{total / dial_meter.wall:.0f}/s (machine {dial_meter.per(total)[1]:.2f} CPU-ms/op)")  # fmt: skip
 
 
-async def create_rate(client: shoal.AsyncClient, k: int, pid: int) -> tuple[float, float, float]:
+async def create_rate(client: shoal.AsyncClient, k: int, pid: int, runtime: str) -> tuple[float, float, float]:
     with Meter(pid) as meter:
         for _ in range(k):
-            sb = await client.create(image=IMAGE, pool=False, ttl_s=TTL)
+            sb = await client.create(image=IMAGE, pool=False, ttl_s=TTL, runtime=runtime)
             await sb.close()
     return k / meter.wall, meter.node / k, meter.shoal / k
 
@@ -371,26 +371,28 @@ def mount_count(pid: int) -> int:
         return sum(1 for _ in handle)
 
 
-async def flat_rate(client: shoal.AsyncClient, lives: list[int], k: int, pid: int) -> None:
-    """The create+close rate with N sandboxes alive, for each N (filled 8 at a time, kept until the end)."""
+async def flat_rate(client: shoal.AsyncClient, lives: list[int], k: int, pid: int, runtime: str) -> None:
+    """The create+close rate with N sandboxes alive, for each N (filled 8 at a time, kept until the end), all
+    on `runtime`."""
+    tag = "" if runtime == "crun" else f" [{runtime}]"
     made: list = []
     fill_s = 0.0
     base = None
     try:
         for live in lives:
             t = time.perf_counter()
-            more = await client.create_many(live - len(made), image=IMAGE, pool=False, ttl_s=TTL,
+            more = await client.create_many(live - len(made), image=IMAGE, pool=False, ttl_s=TTL, runtime=runtime,
                                             labels={"bench": "live"}, concurrency=8)  # fmt: skip
             fill_s += time.perf_counter() - t
             made += more
             ok = sum(isinstance(s, shoal.AsyncSandbox) for s in made)
             with Meter(pid) as idle:  # what the node spends with nothing asked of it (the reaper's scans)
                 await asyncio.sleep(2.0)
-            rate, node_ms, shoal_ms = await create_rate(client, k, pid)
+            rate, node_ms, shoal_ms = await create_rate(client, k, pid, runtime)
             base = base or rate
             mounts = f"node's mount table {mount_count(pid)}, host's {mount_count(os.getpid())}"
             mounts += f"; node idle {idle.node / idle.wall:.1f} CPU-ms/s"
-            row(f"create+close rate, {ok} live", f"{rate:.1f}/s ({rate / base:.2f}x of 0 live)",
+            row(f"create+close rate, {ok} live{tag}", f"{rate:.1f}/s ({rate / base:.2f}x of 0 live)",
                 ">= 0.8x" if ok else "", rate / base >= 0.8 if ok else None)  # fmt: skip
             row("  node / shoal CPU per create+close", f"{node_ms:.2f} / {shoal_ms:.1f} ms; {mounts}")
             if live:
@@ -424,7 +426,7 @@ async def main(args: argparse.Namespace) -> None:
                 "claim": lambda: claims(client, min(n, 50)),
                 "exec": lambda: execs(client, 5 * n, pid, prof),
                 "throughput": lambda: exec_throughput(client, max(20, n // 2), pid),
-                "live": lambda: flat_rate(client, lives, max(20, n // 2), pid),
+                "live": lambda: flat_rate(client, lives, max(20, n // 2), pid, args.live_runtime or runtimes[-1]),
             }
             for name in args.only.split(",") if args.only else sections:
                 await sections[name]()
@@ -447,5 +449,6 @@ if __name__ == "__main__":
     parser.add_argument("--runtimes", default="crun,shoal",
                         help="container runtimes of the create and concurrent rows, side by side (crun's rows "
                         "keep their names; the others are tagged [runtime])")  # fmt: skip
+    parser.add_argument("--live-runtime", help="runtime of the live rows (default: the last of --runtimes)")
     parser.add_argument("--name", default="hotpath", help="the bench node's home: /tmp/shoal-bench-NAME")
     asyncio.run(main(parser.parse_args()))

@@ -75,10 +75,65 @@ def test_a_shoal_sandbox_gets_what_crun_gives(node: NodeProcess, client: shoal.C
         assert _agent_cgroup(node, own.id).replace(own.id, "X") == _agent_cgroup(node, crun.id).replace(crun.id, "X")
         # the overlay is mounted in the sandbox's own mount namespace only, as with crun
         assert leftovers(node.home, node.cgroup_parent)["mounts"] == []
-        pid = (node.home / "sandboxes" / own.id / "pid").read_text()
+        pid = str(sandbox_pid(node.home, own.id))
         assert pid in sandbox_roots(node.home, node.cgroup_parent)
         own.files.write("/note", "written")
         assert own.exec("cat /note").stdout == "written"
+
+
+def test_the_launcher_makes_the_next_sandbox_init_ahead_and_it_ends_with_the_launcher(tmp_path: Path) -> None:
+    """Issue 12: the launcher clones the next sandbox's init into fresh pid/net/ipc/uts namespaces while it
+    waits (the spare), so a create does not wait for them. The spare is one process that serves one sandbox:
+    the next create's init is that very process, in the sandbox's cgroup, with a mount namespace made at the
+    create and namespaces of its own (none shared with the host, the launcher or another sandbox); another
+    spare is made for the next; spares end with the launcher (killed or stopped with the node)."""
+    node = NodeProcess(tmp_path / "home", f"shoal-test-launcher-spare-{os.getpid()}").start()
+    spares: list[int] = []
+    try:
+        with node.client() as client:
+            client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300).close()  # starts the launcher
+            launcher_pid = _launchers(node.pid)[0]
+            _until(lambda: len(_launchers(launcher_pid)) == 1)
+            spare = _launchers(launcher_pid)[0]
+            kinds = ("pid_for_children", "net", "ipc", "uts")
+            assert all(_ns(spare, k) != _ns(launcher_pid, k) for k in kinds)
+            assert _ns(spare, "mnt") == _ns(launcher_pid, "mnt")  # made at the create, from the mounts then
+            # the image's layer was unmounted with the first sandbox and is mounted again after the spare was
+            # made: the spare's mount namespace, made at the create, has it
+            with (
+                client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as first,
+                client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as second,
+            ):
+                assert sandbox_pid(node.home, first.id) == spare
+                assert first.exec("head -c 13 /proc/1/cmdline; echo; hostname").stdout == "/.shoal/agent\nsandbox\n"
+                one, two = sandbox_pid(node.home, first.id), sandbox_pid(node.home, second.id)
+                for kind in ("net", "ipc", "uts", "mnt", "pid", "cgroup"):
+                    assert len({_ns(one, kind), _ns(two, kind), _ns(launcher_pid, kind)}) == 3
+                assert f"/{node.cgroup_parent}/{first.id}" in Path(f"/proc/{one}/cgroup").read_text()
+            _until(lambda: len(_launchers(launcher_pid)) == 1)
+            spares = _launchers(launcher_pid)
+            os.kill(spares[0], signal.SIGKILL)  # a spare killed while it waits: another is made, creates go on
+            _until(lambda: len(_launchers(launcher_pid)) == 1 and _launchers(launcher_pid) != spares)
+            with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as after:
+                assert after.exec("echo ok").stdout == "ok\n"
+            _until(lambda: len(_launchers(launcher_pid)) == 1)
+            spares = _launchers(launcher_pid)
+            os.kill(launcher_pid, signal.SIGKILL)  # its spare sees its socket close and exits
+            _until(lambda: not Path(f"/proc/{spares[0]}").exists())
+            with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as again:
+                assert again.exec("echo again").stdout == "again\n"
+            launcher_pid = _launchers(node.pid)[0]
+            _until(lambda: len(_launchers(launcher_pid)) == 1)
+            spares = _launchers(launcher_pid)
+            assert not no_leftovers(node.home, node.cgroup_parent)
+    finally:
+        node.stop()
+    _until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in spares))
+    assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
+def _ns(pid: int, kind: str) -> str:
+    return os.readlink(f"/proc/{pid}/ns/{kind}")
 
 
 def test_pause_resume_and_close_leave_nothing(tmp_path: Path) -> None:
@@ -134,7 +189,7 @@ def test_sigkilled_node_leaves_shoal_sandboxes_running_and_its_successor_adopts_
                 sb.exec("sleep 1000 >/dev/null 2>&1 &")
             kept[1].pause()
             victim = client.create(image="busybox", runtime="shoal", pool=False, ttl_s=600)
-            victim_pid = int((doomed.home / "sandboxes" / victim.id / "pid").read_text())
+            victim_pid = sandbox_pid(doomed.home, victim.id)
             launcher_pid = _launchers(doomed.pid)[0]
         doomed.stop(signal.SIGKILL)
         _until(lambda: not Path(f"/proc/{launcher_pid}").exists())  # its socket closed: it exited

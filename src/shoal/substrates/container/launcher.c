@@ -181,8 +181,10 @@ static void mkdir_p(const char *path) {
 static void child(const struct request *r, int sync_fd, int listen_fd, int log_fd) {
     char c;
     const char *root = ""; /* every path below is the sandbox's: made after pivot_root, see there */
-    if (read(sync_fd, &c, 1) != 1) _exit(1); /* the parent could not place us in the cgroup */
-    close(sync_fd);
+    if (sync_fd >= 0) { /* a spare (see spare_wait) was placed in its cgroup before it got the request */
+        if (read(sync_fd, &c, 1) != 1) _exit(1); /* the parent could not place us in the cgroup */
+        close(sync_fd);
+    }
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
@@ -409,9 +411,98 @@ static const char *join_cgroup(const struct request *r, pid_t pid) {
     return NULL;
 }
 
+/* ------------------------------------------------------------------ the spare: namespaces made ahead */
+
+/* Why (issue 12): cloning into new PID, network, IPC and UTS namespaces costs ~0.8 ms here (the network
+ * namespace ~0.6), on the create's critical path. The launcher makes the next sandbox's init ahead, while it
+ * waits for requests: a process in fresh namespaces of those four kinds, blocked reading its own socketpair.
+ * A create then places it in the sandbox's cgroup (before it runs a step of its own, as the sync pipe does
+ * for a child cloned on the spot) and sends it the request as it came with its three fds (the agent's
+ * listening socket, the log, the status pipe); the spare parses it, takes a mount namespace of its own
+ * (made now, not ahead: a copy of the host's mount table as it is at this create, with the layers mounted
+ * since) and goes on exactly as a child cloned on the spot. Nothing of a sandbox is shared with another:
+ * each spare is one process and its namespaces serve one sandbox. It exits when the launcher does (its
+ * socket's other end closes). */
+static char raw[MSG_MAX];
+static size_t raw_len;
+static pid_t spare_pid;
+static int spare_sock = -1, spare_failed, signal_fd = -1;
+
+static int split(char *msg, size_t len, char **fields);
+static const char *fill_request(char **fields, int n, struct request *r);
+
+static void spare_wait(int sock) {
+    static char msg[MSG_MAX];
+    char control[CMSG_SPACE(3 * sizeof(int))];
+    struct iovec iov = {msg, sizeof msg - 1};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
+    ssize_t n;
+    while ((n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC)) < 0 && errno == EINTR) {
+    }
+    if (n <= 0) _exit(0); /* the launcher exited (or dropped this spare) */
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+    int fds[3];
+    if (!cm || cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS ||
+        cm->cmsg_len != CMSG_LEN(sizeof fds))
+        _exit(1);
+    memcpy(fds, CMSG_DATA(cm), sizeof fds);
+    close(sock);
+    status_fd = fds[2];
+    msg[n] = 0;
+    char *fields[4 * MAX_LIST];
+    struct request r;
+    int nfields = split(msg, n, fields);
+    if (nfields == 0 || fill_request(fields, nfields, &r)) {
+        errno = EINVAL;
+        fail("request", "spare");
+    }
+    if (unshare(CLONE_NEWNS) < 0) fail("unshare", "mount");
+    child(&r, -1, fds[0], fds[1]);
+}
+
+static void make_spare(void) {
+    int pair[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) < 0) {
+        spare_failed = 1;
+        return;
+    }
+    unsigned long flags = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | SIGCHLD;
+    pid_t pid = syscall(SYS_clone, flags, NULL, NULL, NULL, NULL);
+    if (pid == 0) { /* keep nothing of the launcher's but this socket */
+        close(pair[0]);
+        close(SOCK_FD);
+        close(signal_fd);
+        for (int i = 0; i < npending; i++) close(pending[i].fd);
+        spare_wait(pair[1]);
+    }
+    close(pair[1]);
+    if (pid < 0) { /* tried again after the next create (a create clones on the spot meanwhile) */
+        close(pair[0]);
+        spare_failed = 1;
+        return;
+    }
+    spare_pid = pid, spare_sock = pair[0];
+}
+
+static int send_to_spare(int sock, int listen_fd, int log_fd, int status_fd_) {
+    int fds[3] = {listen_fd, log_fd, status_fd_};
+    char control[CMSG_SPACE(sizeof fds)];
+    memset(control, 0, sizeof control);
+    struct iovec iov = {raw, raw_len};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+    cm->cmsg_level = SOL_SOCKET, cm->cmsg_type = SCM_RIGHTS, cm->cmsg_len = CMSG_LEN(sizeof fds);
+    memcpy(CMSG_DATA(cm), fds, sizeof fds);
+    ssize_t n;
+    while ((n = sendmsg(sock, &mh, MSG_NOSIGNAL)) < 0 && errno == EINTR) {
+    }
+    return n == (ssize_t)raw_len ? 0 : -1;
+}
+
 static void create(const struct request *r, int listen_fd) {
-    int sync[2] = {-1, -1}, status[2] = {-1, -1}, log_fd = -1;
+    int sync[2] = {-1, -1}, status[2] = {-1, -1}, log_fd = -1, spare = -1;
     const char *why;
+    spare_failed = 0;
     if (!conf.ready) {
         reply("%s err the launcher got no init message", r->id);
         return;
@@ -429,26 +520,32 @@ static void create(const struct request *r, int listen_fd) {
         return;
     }
     log_fd = open(r->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0600);
-    if (log_fd < 0 || pipe2(sync, O_CLOEXEC) < 0 || pipe2(status, O_CLOEXEC) < 0) {
+    if (log_fd < 0 || pipe2(status, O_CLOEXEC) < 0 || (spare_pid <= 0 && pipe2(sync, O_CLOEXEC) < 0)) {
         reply("%s err %s: %s", r->id, log_fd < 0 ? r->log : "pipe", strerror(errno));
         goto out;
     }
-    unsigned long flags = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNS | SIGCHLD;
-    pid_t pid = syscall(SYS_clone, flags, NULL, NULL, NULL, NULL);
-    if (pid < 0) {
-        reply("%s err clone: %s", r->id, strerror(errno));
-        goto out;
+    pid_t pid;
+    if (spare_pid > 0) { /* the spare made ahead: it runs no step of its own before it gets the request */
+        pid = spare_pid, spare = spare_sock;
+        spare_pid = 0, spare_sock = -1;
+    } else {
+        unsigned long flags = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNS | SIGCHLD;
+        pid = syscall(SYS_clone, flags, NULL, NULL, NULL, NULL);
+        if (pid < 0) {
+            reply("%s err clone: %s", r->id, strerror(errno));
+            goto out;
+        }
+        if (pid == 0) {
+            close(sync[1]);
+            close(status[0]);
+            status_fd = status[1];
+            child(r, sync[0], listen_fd, log_fd);
+        }
+        close(sync[0]);
+        sync[0] = -1;
+        close(status[1]);
+        status[1] = -1;
     }
-    if (pid == 0) {
-        close(sync[1]);
-        close(status[0]);
-        status_fd = status[1];
-        child(r, sync[0], listen_fd, log_fd);
-    }
-    close(sync[0]);
-    sync[0] = -1;
-    close(status[1]);
-    status[1] = -1;
     if ((why = join_cgroup(r, pid))) { /* the child never ran a step of its own: its sync read gets EOF */
         kill(pid, SIGKILL);
         reply("%s err %s", r->id, why);
@@ -466,10 +563,14 @@ static void create(const struct request *r, int listen_fd) {
         }
         close(fd);
     }
-    if (write(sync[1], "g", 1) != 1) {
+    if (spare >= 0 ? send_to_spare(spare, listen_fd, log_fd, status[1]) < 0 : write(sync[1], "g", 1) != 1) {
         kill(pid, SIGKILL);
         reply("%s err starting the sandbox: %s", r->id, strerror(errno));
         goto out;
+    }
+    if (status[1] >= 0) { /* the spare has its own copy now: EOF on the status pipe once it has exec'd */
+        close(status[1]);
+        status[1] = -1;
     }
     if (nsandboxes == capsandboxes) {
         int cap = capsandboxes ? 2 * capsandboxes : 256;
@@ -490,7 +591,7 @@ static void create(const struct request *r, int listen_fd) {
     npending++;
     status[0] = -1;
 out:
-    for (int *fd = (int[]){sync[0], sync[1], status[0], status[1], log_fd}, n = 0; n < 5; n++)
+    for (int *fd = (int[]){sync[0], sync[1], status[0], status[1], log_fd, spare}, n = 0; n < 6; n++)
         if (fd[n] >= 0) close(fd[n]);
 }
 
@@ -517,6 +618,11 @@ static void finish(int i) {
 /* A sandbox's init was reaped: the kernel killed the rest of its PID namespace before it could exit, so its
  * cgroup is empty; if the node asked to destroy it, remove the cgroup and answer */
 static void reaped(pid_t pid) {
+    if (pid == spare_pid) { /* the spare died before any create took it (killed): make another */
+        close(spare_sock);
+        spare_pid = 0, spare_sock = -1;
+        return;
+    }
     struct sandbox *sb = find_sandbox(pid);
     if (!sb) return;
     if (sb->destroy[0]) {
@@ -585,13 +691,57 @@ static int init(char **fields, int nfields) {
     return 0;
 }
 
-static void handle(char *msg, size_t len, int fd) {
-    char *fields[4 * MAX_LIST];
+static int split(char *msg, size_t len, char **fields) {
     int n = 0;
     for (size_t at = 0; at < len && n < 4 * MAX_LIST;) {
         fields[n++] = msg + at;
         at += strlen(msg + at) + 1;
     }
+    return n;
+}
+
+/* A create request's fields (after op=create) into `r`; NULL, or why it is refused */
+static const char *fill_request(char **fields, int n, struct request *r) {
+    static char why[4200];
+    *r = (struct request){.id = "?", .rootfs = "", .overlay = "", .log = "", .pidfile = "", .cgroup = "", .mem = "",
+                          .pids = "", .shares = "1024", .quota = "", .period = "", .hostname = "sandbox"};
+    for (int i = 1; i < n; i++) {
+        char *k = fields[i], *v = strchr(k, '=');
+        if (!v) continue;
+        *v++ = 0;
+        const char **slot = !strcmp(k, "id")         ? &r->id
+                            : !strcmp(k, "rootfs")   ? &r->rootfs
+                            : !strcmp(k, "overlay")  ? &r->overlay
+                            : !strcmp(k, "log")      ? &r->log
+                            : !strcmp(k, "pidfile")  ? &r->pidfile
+                            : !strcmp(k, "cgroup")   ? &r->cgroup
+                            : !strcmp(k, "mem")      ? &r->mem
+                            : !strcmp(k, "pids")     ? &r->pids
+                            : !strcmp(k, "shares")   ? &r->shares
+                            : !strcmp(k, "quota")    ? &r->quota
+                            : !strcmp(k, "period")   ? &r->period
+                            : !strcmp(k, "hostname") ? &r->hostname
+                                                     : NULL;
+        if (slot) *slot = v;
+        if (!strcmp(k, "tmpfs")) {
+            if (r->ntmpfs == MAX_LIST || v[0] != '/' || strstr(v, "..")) {
+                snprintf(why, sizeof why, "tmpfs path %s refused", v);
+                return why;
+            }
+            r->tmpfs[r->ntmpfs++] = v;
+        }
+    }
+    if (strcmp(fields[0], "op=create") || !r->rootfs[0] || !r->overlay[0] || !r->log[0] || !r->cgroup[0] ||
+        strstr(r->cgroup, ".."))
+        return "malformed request";
+    return NULL;
+}
+
+static void handle(char *msg, size_t len, int fd) {
+    char *fields[4 * MAX_LIST];
+    memcpy(raw, msg, len); /* as it came: a spare parses it again (see spare_wait) */
+    raw_len = len;
+    int n = split(msg, len, fields);
     if (n == 0) goto out;
     if (!strcmp(fields[0], "op=init")) {
         if (init(fields + 1, n - 1) < 0) reply("init err incomplete or malformed init message");
@@ -602,37 +752,10 @@ static void handle(char *msg, size_t len, int fd) {
         destroy(fields[1] + 3, fields[2] + 4);
         goto out;
     }
-    struct request r = {.id = "?", .rootfs = "", .overlay = "", .log = "", .pidfile = "", .cgroup = "", .mem = "",
-                        .pids = "", .shares = "1024", .quota = "", .period = "", .hostname = "sandbox"};
-    for (int i = 1; i < n; i++) {
-        char *k = fields[i], *v = strchr(k, '=');
-        if (!v) continue;
-        *v++ = 0;
-        const char **slot = !strcmp(k, "id")         ? &r.id
-                            : !strcmp(k, "rootfs")   ? &r.rootfs
-                            : !strcmp(k, "overlay")  ? &r.overlay
-                            : !strcmp(k, "log")      ? &r.log
-                            : !strcmp(k, "pidfile")  ? &r.pidfile
-                            : !strcmp(k, "cgroup")   ? &r.cgroup
-                            : !strcmp(k, "mem")      ? &r.mem
-                            : !strcmp(k, "pids")     ? &r.pids
-                            : !strcmp(k, "shares")   ? &r.shares
-                            : !strcmp(k, "quota")    ? &r.quota
-                            : !strcmp(k, "period")   ? &r.period
-                            : !strcmp(k, "hostname") ? &r.hostname
-                                                     : NULL;
-        if (slot) *slot = v;
-        if (!strcmp(k, "tmpfs")) {
-            if (r.ntmpfs == MAX_LIST || v[0] != '/' || strstr(v, "..")) {
-                reply("%s err tmpfs path %s refused", r.id, v);
-                goto out;
-            }
-            r.tmpfs[r.ntmpfs++] = v;
-        }
-    }
-    if (strcmp(fields[0], "op=create") || !r.rootfs[0] || !r.overlay[0] || !r.log[0] || !r.cgroup[0] ||
-        strstr(r.cgroup, "..")) {
-        reply("%s err malformed request", r.id);
+    struct request r;
+    const char *why = fill_request(fields, n, &r);
+    if (why) {
+        reply("%s err %s", r.id, why);
         goto out;
     }
     create(&r, fd);
@@ -646,7 +769,7 @@ int main(void) {
     sigemptyset(&chld);
     sigaddset(&chld, SIGCHLD);
     sigprocmask(SIG_BLOCK, &chld, NULL);
-    int sfd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
+    int sfd = signal_fd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sfd < 0 || fcntl(SOCK_FD, F_SETFD, FD_CLOEXEC) < 0) {
         perror("shoal-launcher: setup (is fd 3 the node's socket?)");
         return 1;
@@ -657,11 +780,16 @@ int main(void) {
         fds[0] = (struct pollfd){SOCK_FD, POLLIN, 0};
         fds[1] = (struct pollfd){sfd, POLLIN, 0};
         for (int i = 0; i < npending; i++) fds[i + 2] = (struct pollfd){pending[i].fd, POLLIN, 0};
-        int nfds = npending + 2;
-        if (poll(fds, nfds, -1) < 0) {
+        int nfds = npending + 2, wants_spare = conf.ready && spare_pid <= 0 && !spare_failed;
+        int ready = poll(fds, nfds, wants_spare ? 0 : -1); /* the spare is made when nothing else waits */
+        if (ready < 0) {
             if (errno == EINTR) continue;
             perror("shoal-launcher: poll");
             return 1;
+        }
+        if (ready == 0) {
+            make_spare();
+            continue;
         }
         if (fds[1].revents) {
             struct signalfd_siginfo info;

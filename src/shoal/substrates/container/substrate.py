@@ -9,7 +9,9 @@ Per sandbox, under its state directory:
     runtime.log   what the runtime (and the agent) printed
 Under crun and runc (no user namespace) config.json, pid, runtime.log and agent.sock are in the bundle
 directory beside the runtimes' state instead (on tmpfs: _bundle_dir), and the overlay is mounted on the
-node's one mount point (_shared_dirs): the state directory keeps record.json, upper/ and work/.
+node's one mount point (_shared_dirs): the state directory keeps record.json, upper/ and work/. The shoal
+launcher's sandboxes keep their runtime.log and agent.sock in that bundle directory too (no config.json,
+no pid file: the launcher answers the pid, and record.json keeps it).
 """
 
 from __future__ import annotations
@@ -114,14 +116,14 @@ class ContainerSubstrate(Substrate):
                 upper, overlay = self._prepare_rootfs(directory, image, shared=shared)
             instance.upper = str(upper)
             bundle = directory
-            if shared and isinstance(runtime, OciRuntime):  # bundle files on tmpfs (_bundle_dir); the record implies it
+            if shared:  # bundle files on tmpfs (_bundle_dir); the record implies it
                 bundle = self._bundle_dir(sandbox_id)
                 bundle.mkdir(parents=True)
                 instance.agent_socket = bundle / "agent.sock"
             if isinstance(runtime, launcher.ShoalRuntime):
                 listener = _listen(instance.agent_socket)
                 cpu = spec.cpu if spec.cpu is not None else self.default_cpu
-                fields = _launch_fields(instance, overlay, cpu, spec.memory_mb, spec.pids)
+                fields = _launch_fields(instance, overlay, bundle / "runtime.log", cpu, spec.memory_mb, spec.pids)
                 fields += [("tmpfs", path) for path in spec.tmpfs]
                 known = functools.partial(setattr, instance, "pid")  # for the cleanup, even when cancelled
                 pid = await self._launcher.create(fields, listener.fileno(), known)
@@ -223,7 +225,7 @@ class ContainerSubstrate(Substrate):
         pid = instance.pid
         if not (pid and await runtime.kill_directly(instance.id, pid, instance.cgroup_path)):
             await runtime.delete(instance.id)
-        bundle = str(self._bundle_dir(instance.id)) if isinstance(runtime, OciRuntime) else None
+        bundle = str(self._bundle_dir(instance.id))  # crun's, runc's or the launcher's files (none: one syscall)
         await asyncio.to_thread(_remove_leftovers, instance.directory, instance.cgroup_path, bundle)
 
     async def destroy_orphan(self, directory: Path) -> None:
@@ -284,14 +286,15 @@ def _listen(path: Path) -> socket.socket:
 
 
 def _launch_fields(
-    instance: Instance, overlay: Mount, cpu: float | None, memory_mb: int | None, pids: int | None
+    instance: Instance, overlay: Mount, log: Path, cpu: float | None, memory_mb: int | None, pids: int | None
 ) -> list[tuple[str, str]]:
-    """One create request for the shoal launcher: the same limits bundle_config gives crun."""
+    """One create request for the shoal launcher: the same limits bundle_config gives crun. No pid file: the
+    launcher answers the pid and record.json keeps it (a node that dies before writing it finds the sandbox
+    by its cgroup, whose processes the cleanup kills)."""
     fields = [
         ("rootfs", overlay.target),
         ("overlay", overlay.options),
-        ("log", str(instance.directory / "runtime.log")),
-        ("pidfile", str(instance.directory / "pid")),
+        ("log", str(log)),
         ("cgroup", instance.cgroup_path.strip("/")),
         ("shares", str(cpu_shares(cpu))),
         ("hostname", "sandbox"),
