@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pytest
 
 from shoal.guest import AgentClient, AgentError, ExecProcess, ExitInfo, agent_binary_path
-from shoal.guest.client import Attached, BackgroundStatus, control_frames
+from shoal.guest.client import EXEC_BG_FOLLOW, Attached, BackgroundStatus, _exec_payload, _frame, control_frames
 from shoal.protocol import cut_marker
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
@@ -694,6 +694,48 @@ async def test_background_followed_on_its_starting_connection(agent: Agent) -> N
         assert (await agent.client.control(id, b"")).running
     finally:
         await agent.client.control(id, control_frames(signal=signal.SIGKILL))
+
+
+def test_a_followed_start_answers_both_pid_frames_in_one_send(agent: Agent) -> None:
+    """'B' with the follow flag: the command's child sends the follower's 'P' (pid, keeper, pty) together with
+    the start's own, so the node reads both at once instead of waiting for the keeper to send the second
+    once the command has exec'd (one wakeup of the node per start, and the start not held up by the exec)."""
+    for size, pty in ((0, 0), (24 << 16 | 80, 1)):
+        arg = unique_sleep_arg()
+        payload = _exec_payload(
+            ["sleep", arg], ENV, "/", os.getuid(), os.getgid(), 1 << 20, True, False, EXEC_BG_FOLLOW
+        )
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(30)
+        try:
+            sock.connect(agent.sock_path)
+            sock.sendall(_frame(b"B", payload + struct.pack(">I", size)))
+            data = sock.recv(4096)  # one send of 27 bytes is one read on a unix socket
+            assert len(data) == 27, data
+            start, follower = struct.unpack(">IcII", data[:13]), struct.unpack(">IcII?", data[13:])
+            assert start[:2] == (9, b"P") and follower[:2] == (10, b"P")
+            assert start[2:] == follower[2:4] and follower[4] == bool(pty)
+            keeper = start[3]
+            # listed as running from then on (the child records itself in its keeper's slot before the 'P'),
+            # not only once the command has exec'd: a client told the process started may look for it at once
+            lister = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            lister.settimeout(30)
+            with lister:
+                lister.connect(agent.sock_path)
+                lister.sendall(_frame(b"J"))
+                reply = b""
+                while len(reply) < 9 or len(reply) < 4 + struct.unpack(">I", reply[:4])[0]:
+                    chunk = lister.recv(65536)
+                    assert chunk, reply
+                    reply += chunk
+            assert reply[4:5] == b"A"
+            entries = [
+                struct.unpack_from(">II?", reply, 9 + 34 * i) for i in range(struct.unpack_from(">I", reply, 5)[0])
+            ]
+            assert (keeper, start[2], True) in entries
+        finally:
+            sock.close()
+        asyncio.run(agent.client.control(keeper, control_frames(signal=signal.SIGKILL)))
 
 
 def children(pid: int) -> set[int]:

@@ -1036,17 +1036,33 @@ struct spawn {
     int in_rd, out_wr, err_wr;
     char **argv, **envp;
     int failed; /* set by the child: the pid frame could not be sent (the command never started) */
+    int follow; /* 1 + the pty flag: a background start that the starter follows (EXEC_BG_FOLLOW), whose
+                   follower's own 'P' (pid, keeper, pty) goes out in the same send; 0: the start's 'P' only */
+    int *slot_cmd; /* a keeper's slot's `cmd`: set by the child before its 'P' goes out, so the process is
+                      listed ('J') as soon as the node can know it started (not only once it has exec'd) */
 };
 
 static int spawn_child(void *arg) {
     struct spawn *sp = arg;
-    unsigned char f[13];
+    unsigned char f[27];
+    uint32_t pid = (uint32_t)syscall(SYS_getpid), parent = (uint32_t)syscall(SYS_getppid);
     put_u32(f, 9);
     f[4] = 'P';
-    put_u32(f + 5, (uint32_t)syscall(SYS_getpid));
-    put_u32(f + 9, (uint32_t)syscall(SYS_getppid));
-    for (size_t off = 0; off < sizeof(f);) {
-        ssize_t n = send(conn, f + off, sizeof(f) - off, MSG_NOSIGNAL);
+    put_u32(f + 5, pid);
+    put_u32(f + 9, parent);
+    size_t len = 13;
+    if (sp->slot_cmd)
+        __atomic_store_n(sp->slot_cmd, (int)pid, __ATOMIC_SEQ_CST);
+    if (sp->follow) { /* the follower's first frame too: one wakeup of the node, not a second one after exec */
+        put_u32(f + 13, 10);
+        f[17] = 'P';
+        put_u32(f + 18, pid);
+        put_u32(f + 22, parent);
+        f[26] = (unsigned char)(sp->follow - 1);
+        len = 27;
+    }
+    for (size_t off = 0; off < len;) {
+        ssize_t n = send(conn, f + off, len - off, MSG_NOSIGNAL);
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0) {
@@ -1118,7 +1134,7 @@ static int do_exec(const unsigned char *pl, uint32_t plen) {
         exec_ready = 1;
     }
     flush_out(); /* the child writes the pid frame straight to the connection */
-    struct spawn sp = {cwd, uid, gid, inp[0], outp[1], merge ? outp[1] : errp[1], argv, envp, 0};
+    struct spawn sp = {cwd, uid, gid, inp[0], outp[1], merge ? outp[1] : errp[1], argv, envp, 0, 0, NULL};
     pid_t pid = spawn_exec(&sp);
     if (pid < 0) {
         send_err(errno, "exec %s: fork: %s", argv[0], strerror(errno));

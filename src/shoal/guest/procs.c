@@ -399,10 +399,18 @@ static void do_background(const unsigned char *pl, uint32_t plen) {
        sends the start's 'P' (its pid, ours: the process's ID) itself before it execs: the command starts only
        once the node can know it started. */
     flush_out();
+    /* following: the follower's buffer first, since its 'P' goes out with the start's (without it, no follower:
+       the connection closes after the start's 'P' as an older agent's does, and the node attaches) */
+    unsigned char *follow_out = (rq.flags & EXEC_BG_FOLLOW) ? malloc(BG_OUT_CAP) : NULL;
+    int follow = follow_out != NULL;
     struct spawn sp = {rq.cwd, rq.uid, rq.gid, slave >= 0 ? slave : inp[0], slave >= 0 ? slave : outp[1],
-                       slave >= 0 ? slave : (merge ? outp[1] : errp[1]), rq.argv, rq.envp, 0};
+                       slave >= 0 ? slave : (merge ? outp[1] : errp[1]), rq.argv, rq.envp, 0,
+                       follow ? 1 + (bg_term >= 0) : 0, bg_me ? &bg_me->cmd : NULL};
+    if (bg_me)
+        bg_me->pty = bg_term >= 0;
     pid_t pid = spawn_exec(&sp);
     if (pid < 0) {
+        free(follow_out);
         send_err(errno, "background %s: fork: %s", rq.argv[0], strerror(errno));
         return;
     }
@@ -425,28 +433,18 @@ static void do_background(const unsigned char *pl, uint32_t plen) {
             set_nonblock(fds[k]);
     if (bg_in >= 0)
         set_nonblock(bg_in);
-    if (bg_me) {
-        bg_me->cmd = pid;
-        bg_me->pty = bg_term >= 0;
-    }
     uint32_t cap = rq.cap ? rq.cap : BG_RING_DEFAULT;
     for (int k = 0; k < 2; k++)
         bg_ring[k] = (struct tail){NULL, cap < 4096 ? 4096 : cap, 0, 0, 0};
-    if (rq.flags & EXEC_BG_FOLLOW) { /* the starter stays, a follower from offset 0 as if it had attached */
+    if (follow) { /* the starter stays, a follower from offset 0 as if it had attached; its 'P' went out with
+                     the start's (spawn_child) */
         struct bg_client *cl = &bg_cl[0];
         memset(cl, 0, sizeof(*cl));
         cl->fd = conn;
         cl->mode = 1;
-        cl->out = malloc(BG_OUT_CAP);
-        if (cl->out) {
-            unsigned char ph[9];
-            put_u32(ph, (uint32_t)pid);
-            put_u32(ph + 4, (uint32_t)getpid());
-            ph[8] = (unsigned char)(bg_term >= 0);
-            bgc_put(cl, 'P', ph, sizeof(ph));
-            bg_ncl = 1;
-            conn = -1;
-        }
+        cl->out = follow_out;
+        bg_ncl = 1;
+        conn = -1;
     }
     if (conn >= 0)
         close(conn); /* from here on the process is on its own: clients attach ('A') */
