@@ -8,6 +8,7 @@ import asyncio
 import datetime
 import hashlib
 import http.client
+import json
 import os
 import subprocess
 import sys
@@ -144,6 +145,33 @@ def test_start_in_every_connect_shape(sbx: Sandbox, e2b_env: dict[str, str], sha
         gone = f"{node}-{'0' * len(key)}"  # well formed, but no such sandbox
         list(client.start(process_pb.StartRequest(process=config), headers={**headers, "E2b-Sandbox-Id": gone}))
     assert info.value.code == Code.UNAVAILABLE
+
+
+@pytest.mark.parametrize("body", [b"\0\0\0\0\x05{nope", b"\x01\0\0\0\x02{}"])
+def test_a_start_the_fast_path_does_not_take_gets_connectrpcs_answer(
+    sbx: Sandbox, e2b_env: dict[str, str], body: bytes
+) -> None:
+    """A JSON-shaped Start that e2b/connect.py does not answer (a message that is not JSON, an envelope flagged
+    compressed) goes to connectrpc with the bytes read of it already: its error ends the
+    stream, as for any Connect server (not an answer to an empty body, or a hang)."""
+    url = urllib.parse.urlsplit(e2b_env["E2B_SANDBOX_URL"])
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        headers = {
+            "Content-Type": "application/connect+json",
+            "E2b-Sandbox-Id": sbx.sandbox_id,
+            "X-Access-Token": e2b_env["E2B_API_KEY"],
+        }
+        conn.request("POST", "/process.Process/Start", body=body, headers=headers)
+        response = conn.getresponse()
+        data = response.read()
+    finally:
+        conn.close()
+    assert response.status == 200 and response.getheader("Content-Type") == "application/connect+json"
+    assert len(data) >= 5 and data[0] == 2, data  # the end-of-stream message, with connectrpc's error
+    error = json.loads(data[5:])["error"]
+    # connectrpc's verdict on these bytes (before: "unary request has zero messages", it was given none)
+    assert error["code"] != "unimplemented" and "zero messages" not in error.get("message", ""), error
 
 
 def test_commands_streaming_callbacks(sbx: Sandbox) -> None:

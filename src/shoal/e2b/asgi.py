@@ -13,7 +13,8 @@ from typing import Any
 from aiohttp import web
 
 
-async def call_asgi(app: Any, request: web.Request) -> web.StreamResponse:
+async def call_asgi(app: Any, request: web.Request, head: bytes = b"") -> web.StreamResponse:
+    """`head`: the start of the body, read from the request already (the app gets it first, then the rest)."""
     peer = request.transport.get_extra_info("peername") if request.transport else None
     scope = {
         "type": "http",
@@ -34,7 +35,10 @@ async def call_asgi(app: Any, request: web.Request) -> web.StreamResponse:
     response: web.StreamResponse | None = None
 
     async def receive() -> dict[str, Any]:
-        nonlocal body_done
+        nonlocal body_done, head
+        if head:
+            chunk, head = head, b""
+            return {"type": "http.request", "body": chunk, "more_body": True}
         if body_done:
             await disconnected.wait()  # nothing more will come; ASGI apps wait here for a disconnect
             return {"type": "http.disconnect"}

@@ -15,6 +15,7 @@ reads where the bridge sent four. Output events are still written as they come.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import struct
@@ -28,6 +29,7 @@ from shoal.e2b.envd import ProcessService, connect_error
 
 CONTENT_TYPE = "application/connect+json"
 _END_OK = struct.pack(">BI", 2, 2) + b"{}"  # end-of-stream message without an error
+MAX_START_BYTES = 4 << 20  # connectrpc's default read_max_bytes: a larger Start is its to refuse
 
 
 class _Context:
@@ -60,19 +62,29 @@ def _is_end(message: process_pb.StartResponse) -> bool:
     return event is not None and event.event is not None and event.event.field == "end"
 
 
-async def serve_start(service: ProcessService, request: web.Request) -> web.StreamResponse | None:
+async def serve_start(service: ProcessService, request: web.Request) -> tuple[web.StreamResponse | None, bytes]:
+    """(the response, b"") or, for a request this does not answer, (None, what it read of the body): the caller
+    hands both to connectrpc."""
     headers = request.headers
     if headers.get("Content-Type") != CONTENT_TYPE or headers.get("Connect-Content-Encoding", "identity") != "identity":
-        return None
-    body = await request.read()
-    if len(body) < 5 or body[0] != 0 or int.from_bytes(body[1:5], "big") != len(body) - 5:
-        return None  # connectrpc answers it (with its own error)
-    timeout = headers.get("Connect-Timeout-Ms")
+        return None, b""
+    # The request's one envelope, read as soon as it is whole: the SDK sends the body chunked, its end (the
+    # chunked terminator) in a later write, which the command need not wait for (aiohttp reads it after).
+    content = request.content
+    body = b""
     try:
+        body = await content.readexactly(5)
+        size = int.from_bytes(body[1:5], "big")
+        if body[0] != 0 or size > MAX_START_BYTES:
+            return None, body  # connectrpc answers it (with its own error)
+        body += await content.readexactly(size)
+        timeout = headers.get("Connect-Timeout-Ms")
         message = process_pb.StartRequest.from_json(body[5:], ignore_unknown_fields=True)
         timeout_ms = int(timeout) if timeout else None
+    except asyncio.IncompleteReadError as exc:
+        return None, body + exc.partial
     except Exception:  # noqa: BLE001 - connectrpc decodes it again and answers with its error
-        return None
+        return None, body
     response = _Streaming(status=200, headers={"Content-Type": CONTENT_TYPE})
     await response.prepare(request)
     end = b""
@@ -84,12 +96,13 @@ async def serve_start(service: ProcessService, request: web.Request) -> web.Stre
                 else:
                     await response.write(_frame(event))
     except ConnectionError:  # the client went away (the events were closed: the command goes on, detached)
-        return response
+        return response, b""
     except ConnectError as exc:
         end += _end_error(exc)
     except Exception as exc:  # noqa: BLE001 - ends the stream with the error, as connectrpc does
         end += _end_error(connect_error(exc))
     else:
         end += _END_OK
-    await response.write_eof(end)
-    return response
+    with contextlib.suppress(ConnectionError):  # the client went away as the stream ended
+        await response.write_eof(end)
+    return response, b""

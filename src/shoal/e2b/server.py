@@ -115,9 +115,9 @@ class E2BServer:
     async def process_start(self, request: web.Request) -> web.StreamResponse:
         """`commands.run`: the SDK's one shape of request (Connect JSON, no compression) is served directly
         (connect.py); any other goes through connectrpc like the rest."""
-        response = await serve_start(self.process_service, request)
+        response, head = await serve_start(self.process_service, request)
         if response is None:
-            return await call_asgi(self.rpc["/process.Process/"], request)
+            return await call_asgi(self.rpc["/process.Process/"], request, head)
         return response
 
     async def health(self, request: web.Request) -> web.Response:
