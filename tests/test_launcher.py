@@ -106,6 +106,9 @@ def test_the_launcher_makes_the_next_sandbox_init_ahead_and_it_ends_with_the_lau
             ):
                 assert sandbox_pid(node.home, first.id) == spare
                 assert first.exec("head -c 13 /proc/1/cmdline; echo; hostname").stdout == "/.shoal/agent\nsandbox\n"
+                # its /sys was mounted while it waited, in its own network namespace, as crun mounts it
+                sysfs = "grep ' /sys ro' /proc/self/mountinfo | cut -d' ' -f5-; ls /sys/class/net"
+                assert first.exec(sysfs).stdout == "/sys ro,nosuid,nodev,noexec,relatime - sysfs sysfs rw\nlo\n"
                 one, two = sandbox_pid(node.home, first.id), sandbox_pid(node.home, second.id)
                 for kind in ("net", "ipc", "uts", "mnt", "pid", "cgroup"):
                     assert len({_ns(one, kind), _ns(two, kind), _ns(launcher_pid, kind)}) == 3
