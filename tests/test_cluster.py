@@ -105,7 +105,8 @@ def test_placement_spreads_and_routes_by_id_through_any_gateway(cluster: LocalCl
         stream = other.get(made[1].id).exec_stream("echo one; sleep 0.3; echo two >&2")
         chunks = [(c.stream, c.data) for c in stream]  # output streams through the gateway as printed
         assert chunks == [("stdout", b"one\n"), ("stderr", b"two\n")] and stream.result.exit_code == 0
-        other.kill(made[0].id)
+        assert other.kill(made[0].id) is True  # through the gateway: the kill says whether it closed it
+        assert other.kill(made[0].id) is False  # closed already (twice is fine: E2B's kill answers 404)
     with pytest.raises(shoal.SandboxClosedError):
         made[0].exec("true")
     with pytest.raises(shoal.SandboxNotFoundError, match="nowhere.*does not have"):

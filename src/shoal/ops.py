@@ -138,8 +138,8 @@ _op("attach", TARGET, {"target": str}, SandboxInfo,
     "A live sandbox by ID or trajectory name; the client re-issues its steps from seq 0.", retry=True, by_target=True)
 _op("list", FANOUT, LABELS, list[SandboxInfo], "Live sandboxes (with these labels).",
     retry=True, merge=CONCAT, scoped=True)
-_op("kill", SANDBOX, {"sandbox_id": str, "reason": (str, "closed by the client")}, None,
-    "Destroy a sandbox and everything it owns; closing twice is fine.", retry=True)
+_op("kill", SANDBOX, {"sandbox_id": str, "reason": (str, "closed by the client")}, bool,
+    "Destroy a sandbox and everything it owns; closing twice is fine (false: it was closed already).", retry=True)
 _op("close_all", FANOUT, LABELS, int, "Close every sandbox (with these labels); how many.", merge=SUM, scoped=True)
 _op("keepalive", SANDBOX, {"sandbox_id": str, "ttl_s": (float | None, None)}, SandboxInfo,
     "Push the TTL deadline out by ttl_s from now.", retry=True)

@@ -382,9 +382,10 @@ class AsyncClient:
         """The live sandboxes (of this project), optionally only those carrying all of `labels`."""
         return [protocol.convert(i, SandboxInfo) for i in await self.call("list", {"labels": labels})]
 
-    async def kill(self, sandbox_id: str) -> None:
-        """Destroy a sandbox by ID at once (its processes are killed; its log is kept)."""
-        await self.call("kill", {"sandbox_id": sandbox_id})
+    async def kill(self, sandbox_id: str) -> bool:
+        """Destroy a sandbox by ID at once (its processes are killed; its log is kept); False if it was closed
+        already (killed, expired, or its node left the cluster)."""
+        return bool(await self.call("kill", {"sandbox_id": sandbox_id}))
 
     async def _kill_quietly(self, sandbox_id: str) -> None:
         try:

@@ -161,8 +161,8 @@ class Client:
     def replay(self, target: str, *, image: str | None = None, keep: bool = False) -> ReplayReport:
         return self._run(self._async.replay(target, image=image, keep=keep))
 
-    def kill(self, sandbox_id: str) -> None:
-        self._run(self._async.kill(sandbox_id))
+    def kill(self, sandbox_id: str) -> bool:
+        return self._run(self._async.kill(sandbox_id))
 
     def close_all(self, labels: dict[str, str] | None = None) -> int:
         return self._run(self._async.close_all(labels))

@@ -416,7 +416,7 @@ class Gateway:
         """Send a request about `sandbox_id` to its node; a node that is gone makes it SandboxLostError."""
         view = self.nodes.get(node_id)
         if op == "kill" and view is None and node_id in self.gone:
-            return None  # its node left the cluster: the sandbox is gone already, and closing twice is fine
+            return False  # its node left the cluster: the sandbox is gone already, and closing twice is fine
         if view is None or not view.healthy:
             raise self._lost(sandbox_id, node_id)
         try:

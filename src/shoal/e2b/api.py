@@ -241,9 +241,12 @@ class ControlPlane:
     async def kill(self, request: web.Request, key: str | None) -> web.Response:
         sandbox_id = request.match_info["id"]
         client = await self.backend.client(key)
-        await client.get(sandbox_id)  # gone, never there or another project's -> 404, as E2B answers
-        await client.kill(sandbox_id)
+        # never there or another project's -> not found; closed already (killed, expired) -> False: a 404 both,
+        # as E2B answers (one call: the kill says whether it closed it, no lookup first)
+        killed = await client.kill(sandbox_id)
         self.backend.forget(sandbox_id)
+        if not killed:
+            raise NotFoundError(f"sandbox {sandbox_id} is closed already")
         return web.Response(status=204)
 
     async def set_timeout(self, request: web.Request, key: str | None) -> web.Response:

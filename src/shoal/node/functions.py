@@ -402,9 +402,11 @@ class FunctionService:
             if not labels or all(s.spec.labels.get(k) == v for k, v in labels.items())
         ]
 
-    def kill(self, sandbox_id: str, reason: str = "closed by the client") -> None:
-        if self.sandboxes.pop(sandbox_id, None) is not None:
-            self.node.remember_closed(sandbox_id, reason)
+    def kill(self, sandbox_id: str, reason: str = "closed by the client") -> bool:
+        if self.sandboxes.pop(sandbox_id, None) is None:
+            return False
+        self.node.remember_closed(sandbox_id, reason)
+        return True
 
     def keepalive(self, sandbox_id: str, ttl_s: float | None) -> SandboxInfo:
         sandbox = self.sandboxes[sandbox_id]

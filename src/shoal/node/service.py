@@ -670,13 +670,14 @@ class NodeService:
     async def list(self, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
         return [s.info() for s in self.sandboxes.values() if s.matches(labels)] + self.functions.list(labels)
 
-    async def kill(self, sandbox_id: str, reason: str = "closed by the client") -> None:
+    async def kill(self, sandbox_id: str, reason: str = "closed by the client") -> bool:
+        """True if this closed it, False if it was closed already (E2B's kill answers 404 for that)."""
         if self.functions.owns(sandbox_id):
             return self.functions.kill(sandbox_id, reason)
         sandbox = self.sandboxes.pop(sandbox_id, None)
         if sandbox is None:
             if sandbox_id in self.closed:
-                return
+                return False
             raise SandboxNotFoundError(f"no sandbox {sandbox_id} on node {self.settings.node_id}")
         self.remember_closed(sandbox_id, reason)
         was_paused = sandbox.state is State.PAUSED
@@ -688,6 +689,7 @@ class NodeService:
         self._destroying.add(task)
         task.add_done_callback(self._destroying.discard)
         await asyncio.shield(task)
+        return True
 
     async def _close_popped(self, sandbox: Sandbox, was_paused: bool, reason: str) -> None:
         if was_paused:  # a frozen cgroup cannot be killed on cgroup v1: thaw it first
