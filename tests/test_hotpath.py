@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sqlite3
 import subprocess
 import types
@@ -14,7 +15,7 @@ import pytest
 from conftest import NodeProcess, no_leftovers, runtime_unavailable, sandbox_pid, sandbox_roots
 
 import shoal
-from shoal import linux, settings
+from shoal import linux, protocol, settings
 from shoal.config import shm_state_dir
 from shoal.node import trajectory
 from shoal.node.trajectory import Recorder, TrajectoryLog
@@ -416,3 +417,47 @@ async def test_a_lone_steps_fsync_starts_in_the_loop_pass_of_its_write(tmp_path:
         await append
     finally:
         log.close()
+
+
+def _frames(sock: socket.socket) -> list[protocol.Response]:
+    """Every response the node sends on `sock` until it closes the connection."""
+    data = b""
+    while chunk := sock.recv(1 << 16):
+        data += chunk
+    responses, at = [], 0
+    while at + 4 <= len(data):
+        (length,) = protocol.LENGTH.unpack_from(data, at)
+        responses.append(protocol.decode_response(data[at + 4 : at + 4 + length]))
+        at += 4 + length
+    return responses
+
+
+def test_the_unix_socket_answers_a_half_closed_client_and_drops_a_malformed_one(
+    client: shoal.Client, node: NodeProcess
+) -> None:
+    """The node's Unix socket is read by a protocol callback (node/server.py _UnixConnection), not a reader
+    task: requests in one write are served concurrently, a client that half-closes after its requests still
+    gets the answer of its logged step (then the node closes), and a frame over the size limit ends the
+    connection."""
+    with client.create(image="busybox", pool=False, ttl_s=120) as sb:
+        requests = [
+            protocol.Request(id=1, op="exec", args={"req": {"sandbox_id": sb.id, "cmd": "sleep 0.3; echo one"}}),
+            protocol.Request(id=2, op="exec", args={"req": {"sandbox_id": sb.id, "cmd": "echo two", "seq": 1}}),
+            protocol.Request(id=3, op="get", args={"sandbox_id": sb.id}),
+        ]
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(60)
+            sock.connect(str(node.home / "node.sock"))
+            sock.sendall(b"".join(protocol.encode(r) for r in requests))
+            sock.shutdown(socket.SHUT_WR)
+            answers = {r.id: r for r in _frames(sock)}
+        assert answers[3].result["id"] == sb.id and answers[3].error is None
+        assert answers[1].error is None and answers[1].result["stdout"] == b"one\n"
+        assert answers[2].error is None and answers[2].result["stdout"] == b"two\n"
+        assert [step["seq"] for step in sb.log()] == [0, 1]
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(60)
+            sock.connect(str(node.home / "node.sock"))
+            sock.sendall(protocol.LENGTH.pack(protocol.MAX_FRAME + 1) + b"x" * 64)
+            assert _frames(sock) == []  # closed, nothing answered
+        assert client.get(sb.id).id == sb.id  # the node serves on

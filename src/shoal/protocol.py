@@ -24,7 +24,7 @@ log = logging.getLogger("shoal.protocol")
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 256 << 20
-_LEN = struct.Struct(">I")
+LENGTH = _LEN = struct.Struct(">I")  # a frame's header
 
 KINDS = ("function", "container", "microvm", "vm")
 

@@ -89,7 +89,8 @@ async def serve(
     server_impl = NodeServer(service)
     if paths.socket.exists() or paths.socket.is_symlink():
         paths.socket.unlink()
-    server = await asyncio.start_unix_server(server_impl.handle, path=str(paths.socket), backlog=4096)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_unix_server(server_impl.unix_connection, path=str(paths.socket), backlog=4096)
     os.chmod(paths.socket, 0o600)
     log.info("node %s serving on %s (pid %d)", settings.node_id, paths.socket, os.getpid())
     stop = asyncio.Event()
@@ -97,7 +98,6 @@ async def serve(
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")
         os.close(ready_fd)
-    loop = asyncio.get_running_loop()
     keep = False
 
     def keep_then_stop() -> None:
