@@ -976,3 +976,31 @@ async def test_exec_run_redials_a_kept_connection_whose_handler_died(agent: Agen
         await task
     assert await wait_for(lambda: not procs_with_arg(arg), timeout=30)
     assert await wait_for(lambda: not handlers(agent.proc.pid), timeout=30)
+
+
+async def test_an_idle_kept_connection_is_watched_by_the_loop(agent: Agent) -> None:
+    """A kept connection stays in the loop's selector while idle (no epoll_ctl and no probe per exec): a
+    handler that dies then is noticed by the loop and its connection closed with no exec asked; one that dies
+    just before an exec, before the loop could notice, costs that exec a redial, and it runs exactly once."""
+    client = agent.client
+    idle = await exec_done(client, ["true"])
+    assert len(client._kept) == 1
+    os.kill(idle.handler_pid, signal.SIGKILL)  # type: ignore[attr-defined]
+    assert await wait_for(lambda: not client._kept, timeout=30)  # closed by the watch, nothing asked
+    again = await exec_done(client, ["true"])
+    assert again.handler_pid != idle.handler_pid  # type: ignore[attr-defined]
+    os.kill(again.handler_pid, signal.SIGKILL)  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 30
+    while again.handler_pid in handlers(agent.proc.pid) and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.01)  # blocking: the loop does not run, so the dead connection is still kept
+    assert len(client._kept) == 1
+    counter = os.path.join(tempfile.mkdtemp(prefix="shoal-agent-count-"), "n")
+    try:
+        ran = await exec_done(client, ["sh", "-c", f"echo x >> {counter}"])
+        assert ran.exit.exit_code == 0 and ran.handler_pid != again.handler_pid  # type: ignore[attr-defined]
+        with open(counter) as f:
+            assert f.read() == "x\n"
+    finally:
+        shutil.rmtree(os.path.dirname(counter), ignore_errors=True)
+    client.close()
+    assert not client._kept

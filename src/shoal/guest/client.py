@@ -370,6 +370,7 @@ class ExecRun:
         self._started: asyncio.Future = self._loop.create_future()
         self._waiter: asyncio.Future | None = None
         self._reading = self._closed = False
+        self._registered = False  # the socket is in the loop's selector (this run's reader, or a keeper's watch)
         self.pid = 0
         self.handler_pid: int | None = None  # the exec's ID in `processes()` and `kill_processes(exec_id)`
         self.stdout, self.stderr = bytearray(), bytearray()
@@ -389,11 +390,13 @@ class ExecRun:
             sock = kept or await _dial(path)
             run = cls(sock, path, stream, keeper)
             try:
+                # a kept connection is still registered, watched by its keeper: this replaces the callback
+                # (no syscall) before anything can arrive on it
+                loop.add_reader(sock.fileno(), run._readable)
+                run._registered = run._reading = True
                 run._sending = True
                 await _send_now(loop, sock, request)
                 run._sending = False
-                loop.add_reader(sock.fileno(), run._readable)
-                run._reading = True
                 await run._started
             except ConnectionError:
                 run.close()
@@ -442,7 +445,7 @@ class ExecRun:
         elif kind == ord("X"):
             self.exit = ExitInfo(*_EXIT.unpack_from(payload))
             self._kept = len(payload) > _EXIT.size and payload[_EXIT.size] == 1  # older agents: never
-            self._stop_reading()
+            self._reading = False  # still registered: close() hands a kept connection over as it is
             self._wake()
         elif kind == ord("P") and not self._started.done():
             self.pid = _U32.unpack_from(payload)[0]
@@ -468,8 +471,9 @@ class ExecRun:
         self._wake()
 
     def _stop_reading(self) -> None:
-        if self._reading:
-            self._reading = False
+        self._reading = False
+        if self._registered:
+            self._registered = False
             self._loop.remove_reader(self._sock.fileno())
 
     def _wake(self) -> None:
@@ -515,10 +519,13 @@ class ExecRun:
         of this exec was read and written whole."""
         if not self._closed:
             self._closed = True
+            self._reading = False
+            clean = self._kept and self.error is None and not self._buf and not self._sending and self._registered
+            if clean and self._keeper is not None and self._keeper._keep(self._sock, self._loop):
+                self._registered = False  # the keeper watches it now
+                return
             self._stop_reading()
-            clean = self._kept and self.error is None and not self._buf and not self._sending
-            if not (clean and self._keeper is not None and self._keeper._keep(self._sock)):
-                self._sock.close()
+            self._sock.close()
 
 
 def _set_none(future: asyncio.Future) -> None:
@@ -649,26 +656,48 @@ def _waiting(sock: socket.socket) -> bool:
     return False
 
 
+def _unwatch(sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+    """Take a kept connection out of `loop`'s selector and close it."""
+    if not loop.is_closed():
+        loop.remove_reader(sock.fileno())
+    sock.close()
+
+
 class AgentClient:
     """Client for one agent socket. It holds up to KEEP idle exec connections (each an agent handler waiting
     in the sandbox for its next exec) and, once it started a background process, one spare connection for
-    the next (its handler forked ahead, waiting for its first request); close() closes them."""
+    the next (its handler forked ahead, waiting for its first request); close() closes them.
+
+    An idle kept connection stays in the event loop's selector, watched by `_idle` (its handler ended, or
+    sent what nobody asked for: it is closed): the next exec takes it over by replacing the callback, with
+    no epoll_ctl either way and no MSG_PEEK probe per exec (issue 12). An EOF the loop has not seen yet
+    shows as a send error or an EOF before the pid, and the exec dials again (ExecRun.start)."""
 
     KEEP = 2
 
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
-        self._kept: list[socket.socket] = []
+        self._kept: list[tuple[socket.socket, asyncio.AbstractEventLoop]] = []  # watched in that loop
         self._spare: socket.socket | None = None
         self._closed = False
 
     def _take_kept(self) -> socket.socket | None:
-        """A kept connection whose handler still lives (no EOF waiting on it), or None."""
+        """A kept connection (still registered in this loop's selector), or None."""
+        loop = asyncio.get_running_loop()
         while self._kept:
-            sock = self._kept.pop()
-            if _waiting(sock):
+            sock, owner = self._kept.pop()
+            if owner is loop:
                 return sock
+            _unwatch(sock, owner)
         return None
+
+    def _idle(self, sock: socket.socket) -> None:
+        """A kept connection became readable while idle: its handler is gone (EOF) or out of step."""
+        for i, (kept, owner) in enumerate(self._kept):
+            if kept is sock:
+                del self._kept[i]
+                _unwatch(sock, owner)
+                return
 
     def _take_spare(self) -> socket.socket | None:
         sock, self._spare = self._spare, None
@@ -697,10 +726,12 @@ class AgentClient:
             return
         self._spare = sock
 
-    def _keep(self, sock: socket.socket) -> bool:
+    def _keep(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> bool:
+        """Keep `sock` (registered in `loop`'s selector) for the next exec."""
         if self._closed or len(self._kept) >= self.KEEP:
             return False
-        self._kept.append(sock)
+        loop.add_reader(sock.fileno(), self._idle, sock)  # replaces the run's callback: no syscall
+        self._kept.append((sock, loop))
         return True
 
     def close(self) -> None:
@@ -709,10 +740,10 @@ class AgentClient:
         self._closed = True
         kept, self._kept = self._kept, []
         if self._spare is not None:
-            kept.append(self._spare)
+            self._spare.close()
             self._spare = None
-        for sock in kept:
-            sock.close()
+        for sock, owner in kept:
+            _unwatch(sock, owner)
 
     async def _request(self, kind: bytes, payload: bytes, conn_type: type = _Conn) -> _Conn:
         conn = await conn_type.open(self.socket_path)
