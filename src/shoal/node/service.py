@@ -512,7 +512,8 @@ class NodeService:
             agent = substrate.agent(instance)  # an agentless VM's stand-in (substrates/qemu/agentless.py)
             screen = None
             try:
-                await asyncio.wait_for(agent.hello(), 10)
+                async with asyncio.timeout(10):  # not wait_for: no task of its own per create
+                    await agent.hello()
                 if spec.kind != "container":
                     screen = substrate.screen(instance)  # a VM's screen is QEMU's (QMP), if it has one
                 elif (size := gui.screen_of(spec.image, spec.screen)) is not None:

@@ -833,8 +833,9 @@ int main(void) {
         fds[0] = (struct pollfd){SOCK_FD, POLLIN, 0};
         fds[1] = (struct pollfd){sfd, POLLIN, 0};
         for (int i = 0; i < npending; i++) fds[i + 2] = (struct pollfd){pending[i].fd, POLLIN, 0};
-        int nfds = npending + 2, wants_spare = conf.ready && spare_pid <= 0 && !spare_failed;
-        /* the spare is made when nothing else waits; with children, a full reaping scan at least every second */
+        int nfds = npending + 2, wants_spare = conf.ready && spare_pid <= 0 && !spare_failed && !npending;
+        /* the spare is made when nothing else waits, no create included (its child's setup would share the
+         * CPU with the clone); with children, a full reaping scan at least every second */
         int ready = poll(fds, nfds, wants_spare ? 0 : nsandboxes ? SCAN_MS : -1);
         if (ready < 0) {
             if (errno == EINTR) continue;
