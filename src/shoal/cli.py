@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="run one command in a fresh sandbox")
     run.add_argument("--kind", default="container")
     run.add_argument("--image", default="debian")
-    run.add_argument("--runtime", default="crun")
+    run.add_argument("--runtime", help="crun, runc, runsc or shoal (default: the node's, SHOAL_RUNTIME)")
     run.add_argument("--timeout", type=float, default=60.0)
     run.add_argument("command", nargs=argparse.REMAINDER)
     run.set_defaults(func=cmd_run)

@@ -141,6 +141,9 @@ class NodeSettings:
     # the CPU cap (cores, a CFS quota) of container sandboxes that name no cpu=, so one runaway (a fork
     # bomb, a busy loop per core) cannot load the whole host; None: no cap
     default_cpu: float | None = DEFAULT_CPU
+    # the runtime of containers whose create names none: "auto" (shoal's launcher where the host supports it,
+    # else crun), or a runtime's name (substrates/container/choice.py decides once, at node start)
+    runtime: str = "auto"
 
     @classmethod
     def from_env(cls, home: Path | None = None) -> NodeSettings:
@@ -163,6 +166,7 @@ class NodeSettings:
             default_ttl_s=settings.DEFAULT_TTL_S.get() or None,
             default_idle_timeout_s=settings.DEFAULT_IDLE_S.get() or None,
             default_cpu=settings.DEFAULT_CPU.get() or None,
+            runtime=settings.RUNTIME.get(),
         )
 
 

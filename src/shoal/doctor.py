@@ -65,7 +65,18 @@ def run_checks() -> list[Check]:
     ok, detail = _vm_accel()
     checks.append(Check("vm accel", ok, detail, "snapshots/templates still make creates fast; for KVM use a "
                         "host with VMX/SVM (nested virtualization enabled), or set SHOAL_VM_ACCEL=tcg"))  # fmt: skip
-    return checks + [_defaults_check()] + isolation_checks()
+    return checks + [_defaults_check(), _runtime_check()] + isolation_checks()
+
+
+def _runtime_check() -> Check:
+    """The runtime a node started here gives containers that name none (SHOAL_RUNTIME), and why."""
+    from shoal.substrates.container.choice import choose
+
+    try:
+        choice = choose(settings.RUNTIME.get(), settings.USERNS.get())
+    except ValueError as exc:
+        return Check("default runtime", False, str(exc), "unset SHOAL_RUNTIME (auto) or name a runtime this host has")
+    return Check("default runtime", True, f"{choice.describe()}; create(runtime=...) picks another")
 
 
 def _defaults_check() -> Check:

@@ -39,7 +39,9 @@ class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     kind: str = "container"
     image: str = "debian"
     layers: list[str] = []  # images whose layers stack on top of `image`, bottom first
-    runtime: str = "crun"
+    # a container's runtime: "crun", "runc", "runsc" or "shoal"; None: the node's default (SHOAL_RUNTIME, by
+    # default "auto": shoal's launcher where the host supports it, else crun), which the node writes in here
+    runtime: str | None = None
     cpu: float | None = None
     memory_mb: int | None = None
     pids: int | None = 1024
@@ -77,7 +79,7 @@ class SandboxSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
         screen = f":screen={self.screen[0]}x{self.screen[1]}" if self.screen else ""
         if self.screen == []:  # no display: not the same sandboxes as the image's default screen
             screen = ":screen=none"
-        return f"{self.kind}:{image}:{self.runtime}:cpu={cpu}:mem={self.memory_mb}:pids={self.pids}{disk}{screen}"
+        return f"{self.kind}:{image}:{self.runtime or ''}:cpu={cpu}:mem={self.memory_mb}:pids={self.pids}{disk}{screen}"
 
 
 class SandboxInfo(msgspec.Struct, kw_only=True):
@@ -166,7 +168,7 @@ def cut_marker(omitted: int) -> bytes:
 
 
 # Keys of a node's status that describe that one node: kept per node under "nodes", not combined.
-NODE_IDENTITY = frozenset({"node_id", "pid", "uptime_s", "home", "nodes", "unreachable"})
+NODE_IDENTITY = frozenset({"node_id", "pid", "uptime_s", "home", "runtime", "nodes", "unreachable"})
 
 
 def combine_status(per_node: dict[str, dict[str, Any]], unreachable: dict[str, str]) -> dict[str, Any]:

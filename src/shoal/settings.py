@@ -163,6 +163,12 @@ DEFAULT_DISK_MB: Setting[int] = _declare(
     "SHOAL_DEFAULT_DISK_MB", int, None, SANDBOX_KINDS,
     "Disk cap (MB) of containers that name no `disk_mb`.", fallback="no cap",
 )  # fmt: skip
+RUNTIME: Setting[str] = _declare(
+    "SHOAL_RUNTIME", str, "auto", SANDBOX_KINDS,
+    "Runtime of containers (and function workers) whose create names none: `auto` (shoal's pre-forked launcher "
+    "where this host supports it, else crun; decided once at node start, `shoal doctor` and the node's status say "
+    "which and why), `shoal`, `crun`, `runc` or `runsc`. A create's `runtime=` overrides it.",
+)  # fmt: skip
 SEALED_RUNTIME: Setting[bool] = _declare(
     "SHOAL_SEALED_RUNTIME", bool, True, SANDBOX_KINDS,
     "Run crun/runc from one sealed in-memory copy per node (they skip re-executing themselves per create); 0: off.",

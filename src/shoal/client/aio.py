@@ -239,7 +239,7 @@ class AsyncClient:
         image: str = "debian",
         *,
         layers: Sequence[str] | None = None,
-        runtime: str = "crun",
+        runtime: str | None = None,
         cpu: float | None = None,
         memory_mb: int | None = None,
         pids: int | None = 1024,
@@ -269,8 +269,10 @@ class AsyncClient:
             kind: "container" (default), "microvm", "vm" (QEMU on the node) or "function".
             image: the image to run (`images()` lists them; builtin ones are built on first use).
             layers: images whose layers stack on top of `image`, bottom first.
-            runtime: the runtime of a container: "crun" (default), "runc", "runsc" (gVisor) or "shoal" (the
-                node's own pre-forked launcher: crun's isolation, cheaper creates; cgroup v1 hosts, no userns).
+            runtime: the runtime of a container: "shoal" (the node's own pre-forked launcher: crun's
+                isolation, half the create time; cgroup v1 hosts, no userns), "crun", "runc" or "runsc"
+                (gVisor); None: the node's default (SHOAL_RUNTIME, "auto": shoal where the host supports
+                it, else crun; `client.status()["runtime"]` says which and why).
             cpu: cores it may use (a cgroup quota); None: no limit.
             memory_mb: memory limit in MiB; None: the node's default for the kind.
             pids: most processes at once (a fork bomb stops here).

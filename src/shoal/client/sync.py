@@ -97,7 +97,7 @@ class Client:
         image: str = "debian",
         *,
         layers: Sequence[str] | None = None,
-        runtime: str = "crun",
+        runtime: str | None = None,
         cpu: float | None = None,
         memory_mb: int | None = None,
         pids: int | None = 1024,

@@ -362,9 +362,9 @@ class FunctionService:
         for module in spec.preimport:
             if not all(part.isidentifier() for part in module.split(".")):
                 raise InvalidRequestError(f"preimport: {module!r} is not a module name")
-        if spec.runtime not in ("crun", "runc"):
+        if spec.runtime not in ("shoal", "crun", "runc"):
             raise InvalidRequestError(
-                f"runtime {spec.runtime!r}: function workers run on crun or runc (the node hands each worker "
+                f"runtime {spec.runtime!r}: function workers run on shoal, crun or runc (the node hands each worker "
                 "its call cgroup and reaches it through the host view of its root filesystem)"
             )
 

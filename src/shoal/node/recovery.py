@@ -153,6 +153,8 @@ async def adopt(directory: Path, node_images: NodeImages, substrate: Substrate) 
         upper=facts.get("upper"),
         rootfs=facts.get("rootfs"),
     )
+    if spec.runtime is None and instance.kind == "container":  # a record of a node whose default was implied
+        spec.runtime = instance.runtime  # (crun was left out of the spec): the runtime that made it, not today's
     try:
         paused = await substrate.readopt(instance)  # a VM: reconnect to its QEMU (which sets the pid)
     except ShoalError as exc:

@@ -69,6 +69,7 @@ from shoal.settings import QEMU
 from shoal.steps import BULK_BYTES
 from shoal.substrates import Substrate
 from shoal.substrates.container import ContainerSubstrate
+from shoal.substrates.container.choice import choose as choose_runtime
 from shoal.view import VNC_PORT
 
 log = logging.getLogger("shoal.node")
@@ -89,15 +90,18 @@ class NodeService:
         self._started_env = dict(os.environ)  # what configured this node (clients compare theirs: settings_env)
         self.images = register_builtins(ImageStore(paths.images))
         self.node_images = NodeImages(self.images, paths.home / "layers")
-        self.substrates: dict[str, Substrate] = {
-            "container": ContainerSubstrate(
-                paths.sandboxes,
-                paths.runtime_root,
-                settings.cgroup_parent,
-                default_cpu=settings.default_cpu,
-                state_root=paths.runtime_state,
-            ),
-        }
+        container = ContainerSubstrate(
+            paths.sandboxes,
+            paths.runtime_root,
+            settings.cgroup_parent,
+            default_cpu=settings.default_cpu,
+            state_root=paths.runtime_state,
+        )
+        self.substrates: dict[str, Substrate] = {"container": container}
+        # the runtime of containers (and function workers) whose create names none: decided once, here, so
+        # that every create of this node process gets the same one (SHOAL_RUNTIME; status() says which, why)
+        self.runtime_choice = choose_runtime(settings.runtime, container.userns_base)
+        log.info("containers that name no runtime run on %s", self.runtime_choice.describe())
         if shutil.which(QEMU.get()) and shutil.which("qemu-img"):
             from shoal.substrates.microvm import MicrovmSubstrate
             from shoal.substrates.vm import VmSubstrate
@@ -298,7 +302,7 @@ class NodeService:
         return sorted([*self.substrates, "function"])
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
-        spec = self._with_default_lifetime(spec)
+        spec = self._with_runtime(self._with_default_lifetime(spec))
         self._validate(spec)
         spec = self._with_default_caps(spec)
         if spec.kind == "function":
@@ -407,6 +411,14 @@ class NodeService:
             changes["disk_mb"] = self.settings.default_disk_mb
         return msgspec.structs.replace(spec, **changes) if changes else spec
 
+    def _with_runtime(self, spec: SandboxSpec) -> SandboxSpec:
+        """A container or function sandbox that names no runtime gets the node's (SHOAL_RUNTIME, chosen at
+        start). Resolved before anything keys on it: warm pools, function worker pools and the record all hold
+        the concrete runtime, so a sandbox is closed and re-adopted by the runtime that made it."""
+        if spec.runtime is None and spec.kind in ("container", "function"):
+            return msgspec.structs.replace(spec, runtime=self.runtime_choice.runtime)
+        return spec
+
     def _with_default_lifetime(self, spec: SandboxSpec) -> SandboxSpec:
         """A create that leaves ttl_s / idle_timeout_s unset gets the node's defaults (explicit None: no limit)."""
         changes: dict[str, Any] = {}
@@ -471,6 +483,7 @@ class NodeService:
 
     async def make_sandbox(self, spec: SandboxSpec, image: Image | None = None) -> Sandbox:
         """Cold-create a sandbox with no late-bound fields applied."""
+        spec = self._with_runtime(spec)  # build steps come here directly
         substrate = self.substrates[spec.kind]
         if spec.snapshot is not None:
             spec = msgspec.structs.replace(spec, image=substrate.snapshot_meta(spec.snapshot)["image"])
@@ -1416,6 +1429,7 @@ class NodeService:
     # ---------------------------------------------------------------- pools, images, status
 
     async def pool_set(self, spec: SandboxSpec, size: int, wait: bool = False) -> dict[str, Any]:
+        spec = self._with_runtime(spec)
         self._validate(spec)
         spec = self._with_default_caps(spec)  # the same pool key a create without caps will look up
         if spec.kind == "function":
@@ -1431,6 +1445,7 @@ class NodeService:
     async def fn_call(
         self, spec: SandboxSpec, call: dict[str, Any], timeout: float | None = None, sandbox_id: str | None = None
     ) -> dict[str, Any]:
+        spec = self._with_runtime(spec)
         self._validate(spec)
         return await self.functions.call(spec, call, timeout, sandbox_id)
 
@@ -1442,6 +1457,7 @@ class NodeService:
         timeout: float | None = None,
         isolation: str = "item",
     ) -> list[dict[str, Any]]:
+        spec = self._with_runtime(spec)
         self._validate(spec)
         return await self.functions.map(spec, call, items, timeout, isolation)
 
@@ -1456,6 +1472,7 @@ class NodeService:
         run_timeout: float | None = 10.0,
         output_files: list[str] | None = None,
     ) -> dict[str, Any]:
+        spec = self._with_runtime(spec)
         self._validate(spec)
         return await self.functions.run_code(
             spec, language, code, stdin, files or {}, compile_timeout, run_timeout, output_files or []
@@ -1595,6 +1612,12 @@ class NodeService:
             "home": str(self.paths.home),
             "adopted": list(self.adopted),
             "lost": dict(self.lost),
+            # the runtime of containers that name none, the SHOAL_RUNTIME it came from, and why
+            "runtime": {
+                "default": self.runtime_choice.runtime,
+                "setting": self.runtime_choice.setting,
+                "reason": self.runtime_choice.reason,
+            },
             "trajectory": {
                 "appended": self.trajectory.appended,
                 "commits": self.trajectory.commits,
