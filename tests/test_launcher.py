@@ -29,8 +29,9 @@ from shoal.substrates.container.substrate import ContainerSubstrate
 pytestmark = pytest.mark.skipif(bool(runtime_unavailable("shoal")), reason=runtime_unavailable("shoal") or "")
 
 # What a sandbox sees of its own isolation: mounts (point and per-mount flags), /dev, capabilities, seccomp,
-# no_new_privs, hostname, open-file limit, its cgroup namespace's view.
+# no_new_privs, hostname, open-file limit, its cgroup namespace's view, its network interfaces (loopback up).
 SELF_VIEW = (
+    "for i in /sys/class/net/*; do echo $i $(cat $i/operstate $i/flags); done; "
     "awk '{print $5, $6}' /proc/self/mountinfo | sed 's/,relatime//; s/,nosuid,nodev,noexec//' | sort; "
     "ls -l /dev /dev/pts | awk '{print $1, $5, $6, $NF}'; "
     "grep -E '^(Cap|NoNewPrivs|Seccomp)' /proc/self/status; hostname; ulimit -n; cat /proc/self/cgroup"

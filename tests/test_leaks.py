@@ -94,7 +94,8 @@ def test_pools_from_settings_and_ttl_expiry_leave_nothing(tmp_path) -> None:  # 
     try:
         with pooled.client() as client:
             deadline = time.monotonic() + 30
-            key = f"container:busybox:crun:cpu=:mem={default_memory_mb()}:pids=1024"  # the node's default cap
+            runtime = client.status()["runtime"]["default"]  # the node's (SHOAL_RUNTIME): the pool's key names it
+            key = f"container:busybox:{runtime}:cpu=:mem={default_memory_mb()}:pids=1024"  # the node's default cap
             while client.status()["pools"].get(key, {}).get("ready") != 2:
                 assert time.monotonic() < deadline, client.status()
                 time.sleep(0.05)

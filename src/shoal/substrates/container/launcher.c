@@ -22,6 +22,7 @@
 #include <linux/capability.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <net/if.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -30,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -181,6 +183,20 @@ static void mkdir_p(const char *path) {
 
 static int ahead_sysfs = -1; /* a spare's sysfs mount, made while it waited */
 
+/* The new network namespace's loopback up, as crun brings it up: localhost works inside (servers and their
+ * clients in one sandbox, a kernel and its client) while nothing reaches outside without a network policy */
+static void loopback_up(void) {
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0) fail("socket", "lo");
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    strcpy(ifr.ifr_name, "lo");
+    if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0) fail("get flags", "lo");
+    ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+    if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0) fail("set flags", "lo");
+    close(s);
+}
+
 static void child(const struct request *r, int sync_fd, int listen_fd, int log_fd) {
     char c;
     const char *root = ""; /* every path below is the sandbox's: made after pivot_root, see there */
@@ -192,6 +208,7 @@ static void child(const struct request *r, int sync_fd, int listen_fd, int log_f
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     if (setsid() < 0) fail("setsid", NULL);
+    loopback_up();
     if (unshare(CLONE_NEWCGROUP) < 0) fail("unshare", "cgroup"); /* rooted at the sandbox's cgroup */
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail("make private", "/");
     if (mount("overlay", r->rootfs, "overlay", 0, r->overlay) < 0) fail("mount overlay", r->rootfs);
