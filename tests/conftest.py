@@ -77,6 +77,15 @@ def runtime_unavailable(name: str) -> str | None:
     return None
 
 
+def default_runtime() -> str:
+    """The runtime a test node gives containers that name none (SHOAL_RUNTIME, "auto": shoal where this host
+    runs it, else crun): what the node's status()["runtime"]["default"] must say."""
+    chosen = (settings.RUNTIME.get() or "auto").lower()
+    if chosen != "auto":
+        return chosen
+    return "crun" if runtime_unavailable("shoal") else "shoal"
+
+
 def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dict[str, list[str]]:
     """Everything sandboxes of the node at `home` could leave behind: mounts, cgroups, processes, dirs.
 

@@ -452,3 +452,19 @@ def test_the_runtime_state_root_is_a_private_tmpfs_directory(tmp_path: Path) -> 
         elif root.exists():
             root.rmdir()
     assert runtime_state_root(home, shm=tmp_path) == home / "runtime"  # not a tmpfs mount point
+
+
+# ---------------------------------------------------------------- the node's default runtime (SHOAL_RUNTIME)
+
+
+def test_default_runtime_falls_back_to_crun_where_the_launcher_cannot_run_and_refuses_bad_settings() -> None:
+    from shoal.substrates.container.choice import choose
+
+    under_userns = choose("auto", userns_base=100000)  # the launcher makes no user namespace
+    assert under_userns.runtime == "crun" and "SHOAL_USERNS" in under_userns.reason
+    assert under_userns.describe().startswith("auto → crun: ")
+    assert choose(None, userns_base=100000).runtime == "crun"  # unset is auto
+    with pytest.raises(ValueError, match="SHOAL_RUNTIME=shoal: .*SHOAL_USERNS"):  # named, but impossible here
+        choose("shoal", userns_base=100000)
+    with pytest.raises(ValueError, match="SHOAL_RUNTIME='docker': choose one of auto, shoal, crun, runc, runsc"):
+        choose("docker", userns_base=None)

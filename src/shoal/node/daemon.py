@@ -14,7 +14,9 @@ from typing import Any
 from shoal import cgroups, linux
 from shoal.config import NodeSettings, Paths
 from shoal.errors import NodeError
-from shoal.settings import CGROUP_FAVOR_DYNMODS, LOG_LEVEL, READY_FD
+from shoal.settings import CGROUP_FAVOR_DYNMODS, LOG_LEVEL, READY_FD, USERNS
+from shoal.substrates.container.choice import Choice
+from shoal.substrates.container.choice import choose as choose_runtime
 
 log = logging.getLogger("shoal.node")
 
@@ -77,14 +79,18 @@ NetworkFront = Callable[[Any, Paths, asyncio.Event], Awaitable[list[Callable[[],
 
 
 async def serve(
-    paths: Paths, settings: NodeSettings, ready_fd: int | None = None, network: NetworkFront | None = None
+    paths: Paths,
+    settings: NodeSettings,
+    ready_fd: int | None = None,
+    network: NetworkFront | None = None,
+    runtime: Choice | None = None,
 ) -> bool:
     """Serve until SIGTERM/SIGINT (close every sandbox) or KEEP_SIGNAL (keep the re-adoptable ones);
     returns whether sandboxes were kept."""
     from shoal.node.server import NodeServer
     from shoal.node.service import NodeService
 
-    service = NodeService(paths, settings)
+    service = NodeService(paths, settings, runtime)
     await service.start()
     server_impl = NodeServer(service)
     if paths.socket.exists() or paths.socket.is_symlink():
@@ -132,6 +138,11 @@ def main(argv: list[str] | None = None, network: NetworkFront | None = None) -> 
         return 2
     paths = Paths.from_env()
     settings = NodeSettings.from_env(paths.home)
+    try:  # before anything is made: a SHOAL_RUNTIME this host cannot honour stops the node here, saying why
+        runtime = choose_runtime(settings.runtime, USERNS.get())
+    except ValueError as exc:
+        print(f"shoal node: {exc}", file=sys.stderr)
+        return 2
     paths.home.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(
         level=LOG_LEVEL.get(),
@@ -144,7 +155,8 @@ def main(argv: list[str] | None = None, network: NetworkFront | None = None) -> 
     ready_fd = READY_FD.get()
     os.environ.pop(READY_FD.name, None)  # not inherited by what the node starts
     try:
-        if not asyncio.run(serve(paths, settings, ready_fd, network)):  # kept sandboxes still use the shared mount
+        # kept sandboxes still use the shared mount
+        if not asyncio.run(serve(paths, settings, ready_fd, network, runtime)):
             release_mount_namespace(paths, host_ns)
     finally:
         os.close(lock_fd)

@@ -69,6 +69,7 @@ from shoal.settings import QEMU
 from shoal.steps import BULK_BYTES
 from shoal.substrates import Substrate
 from shoal.substrates.container import ContainerSubstrate
+from shoal.substrates.container.choice import Choice
 from shoal.substrates.container.choice import choose as choose_runtime
 from shoal.view import VNC_PORT
 
@@ -84,7 +85,7 @@ KILL_GRACE_S = 2.0
 
 
 class NodeService:
-    def __init__(self, paths: Paths, settings: NodeSettings) -> None:
+    def __init__(self, paths: Paths, settings: NodeSettings, runtime: Choice | None = None) -> None:
         self.paths = paths
         self.settings = settings
         self._started_env = dict(os.environ)  # what configured this node (clients compare theirs: settings_env)
@@ -100,7 +101,7 @@ class NodeService:
         self.substrates: dict[str, Substrate] = {"container": container}
         # the runtime of containers (and function workers) whose create names none: decided once, here, so
         # that every create of this node process gets the same one (SHOAL_RUNTIME; status() says which, why)
-        self.runtime_choice = choose_runtime(settings.runtime, container.userns_base)
+        self.runtime_choice = runtime or choose_runtime(settings.runtime, container.userns_base)
         log.info("containers that name no runtime run on %s", self.runtime_choice.describe())
         if shutil.which(QEMU.get()) and shutil.which("qemu-img"):
             from shoal.substrates.microvm import MicrovmSubstrate
