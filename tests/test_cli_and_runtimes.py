@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, no_leftovers
+from conftest import NodeProcess, default_runtime, no_leftovers
 
 import shoal
+from shoal import settings
 
 
 def shoal_cli(node: NodeProcess, *args: str) -> subprocess.CompletedProcess:
@@ -34,9 +35,15 @@ def test_cli_run_ls_rm(node: NodeProcess, client: shoal.Client) -> None:
 
 
 def test_doctor_names_what_it_checks() -> None:
-    out = subprocess.run([sys.executable, "-m", "shoal.cli", "doctor"], capture_output=True, text=True)
-    for name in ("runtime crun", "overlayfs", "cgroups", "kvm"):
+    env = dict(os.environ)
+    if settings.TEST_USERNS.is_set():  # as the test nodes run
+        env[settings.USERNS.name] = settings.TEST_USERNS.raw() or ""
+    out = subprocess.run([sys.executable, "-m", "shoal.cli", "doctor"], capture_output=True, text=True, env=env)
+    for name in ("runtime crun", "overlayfs", "cgroups", "kvm", "default runtime"):
         assert name in out.stdout
+    # which runtime a container that names none gets here, and why (the node decides the same at start)
+    chosen, setting = default_runtime(), (settings.RUNTIME.get() or "auto").lower()
+    assert (f"auto → {chosen}: " if setting == "auto" else f"{chosen} (SHOAL_RUNTIME=") in out.stdout, out.stdout
     assert out.returncode == 0, out.stdout
 
 
