@@ -265,7 +265,10 @@ def _call_processes(node: NodeProcess) -> list[str]:
     found = []
     for procs in [*root.glob(f"{node.cgroup_parent}/*/call/cgroup.procs"),
                   *root.glob(f"*/{node.cgroup_parent}/*/call/cgroup.procs")]:  # fmt: skip
-        found += procs.read_text().split()
+        try:
+            found += procs.read_text().split()
+        except FileNotFoundError:  # its worker's sandbox was closed since the glob: an empty cgroup is removable
+            pass
     return found
 
 
