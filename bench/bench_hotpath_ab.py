@@ -12,10 +12,11 @@ the per-round CPU figures, whose spread shows how far the load moved them.
 
 `create` (sequential create -> close; latency of the create) and `conc` (create + exec `true` + close,
 16 at a time) run on --runtime (R, or BEFORE:AFTER: `src src --runtime crun:shoal` compares two runtimes
-on one tree) and also print shoal's CPU per op: the node with the children it reaped (the runtimes; or its
-running shoal-launcher) and its sandboxes' cgroups, as bench_hotpath's "shoal CPU" counts it, and the
-machine's (all processes, noisy); with `create`, raw `crun run -d` of a prepared bundle and a bwrap cycle
-run in the same rounds.
+on one tree; `default` names none, so each node picks: `--runtime default` against a tree from before
+SHOAL_RUNTIME shows what a user who names no runtime gains) and also print shoal's CPU per op: the node
+with the children it reaped (the runtimes; or its running shoal-launcher) and its sandboxes' cgroups, as
+bench_hotpath's "shoal CPU" counts it, and the machine's (all processes, noisy); with `create`, raw
+`crun run -d` of a prepared bundle and a bwrap cycle run in the same rounds.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def machine_cpu_s() -> float:
 
 
 class Variant:
-    def __init__(self, name: str, client: shoal.AsyncClient, pid: int, runtime: str = "crun") -> None:
-        self.name, self.client, self.pid, self.runtime = name, client, pid, runtime
+    def __init__(self, name: str, client: shoal.AsyncClient, pid: int, runtime: str | None = "crun") -> None:
+        self.name, self.client, self.pid = name, client, pid
+        self.runtime = None if runtime == "default" else runtime  # default: name none, the node's choice
         self.seconds: dict[str, list[float]] = {}
         self.cpu: dict[str, list[float]] = {}
         self.rates: list[float] = []
@@ -261,7 +263,8 @@ if __name__ == "__main__":
     parser.add_argument("--only", default="exec,bare,claim,tput", help="also: create, conc")
     parser.add_argument("--image", default=IMAGE)
     parser.add_argument("--runtime", default="crun", help="runtime of the create/conc rounds: R, or BEFORE:AFTER "
-                        "(e.g. `src src --runtime crun:shoal` compares the runtimes on one tree)")  # fmt: skip
+                        "(e.g. `src src --runtime crun:shoal` compares the runtimes on one tree); `default` "
+                        "names none: each node's own (SHOAL_RUNTIME)")  # fmt: skip
     arguments = parser.parse_args()
     IMAGE = arguments.image
     asyncio.run(main(arguments))
