@@ -2997,15 +2997,14 @@ int main(int argc, char **argv) {
     }
     /* Start from default signal dispositions and an empty mask, whatever our parent left us: ignored
        signals and the mask survive execve, and a command resets only the few signals we change (exec_child),
-       so a signal ignored by whatever started us (a CI runner, a shell's nohup) would reach every command.
-       Once per agent, not per command. */
-    struct sigaction cur;
+       so a signal ignored by whatever started us (a CI runner ignores signal 32) would reach every command.
+       The raw system call, because libc refuses to touch the signals it reserves for threads (32, 33), and
+       those are the ones a runner written against another libc may leave ignored. Once per agent. */
     for (int s = 1; s < NSIG; s++) {
-        if (s != SIGKILL && s != SIGSTOP && sigaction(s, NULL, &cur) == 0 && cur.sa_handler == SIG_IGN) {
-            cur.sa_handler = SIG_DFL;
-            cur.sa_flags = 0;
-            sigaction(s, &cur, NULL);
-        }
+        unsigned long cur[4] = {0}, dfl[4] = {0}; /* the kernel's struct sigaction: handler first */
+        if (s != SIGKILL && s != SIGSTOP && syscall(SYS_rt_sigaction, s, NULL, cur, sizeof(uint64_t)) == 0 &&
+            cur[0] == (unsigned long)SIG_IGN)
+            syscall(SYS_rt_sigaction, s, dfl, NULL, sizeof(uint64_t));
     }
     sigset_t unblocked;
     sigemptyset(&unblocked);
