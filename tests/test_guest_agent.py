@@ -932,6 +932,18 @@ async def exec_done(client: AgentClient, argv: list[str], stdin: bytes | None = 
     return run
 
 
+async def runs_once_on_a_new_handler(client: AgentClient, dead_handler: int) -> None:
+    """An exec after its kept handler died runs exactly once (a redial does not start it twice), elsewhere."""
+    counter = os.path.join(tempfile.mkdtemp(prefix="shoal-agent-count-"), "n")
+    try:
+        ran = await exec_done(client, ["sh", "-c", f"echo x >> {counter}"])
+        assert ran.exit.exit_code == 0 and ran.handler_pid != dead_handler  # type: ignore[attr-defined]
+        with open(counter) as f:
+            assert f.read() == "x\n"
+    finally:
+        shutil.rmtree(os.path.dirname(counter), ignore_errors=True)
+
+
 def handlers(agent_pid: int) -> set[int]:
     """The agent's handler processes (its children other than the reserve)."""
     out = subprocess.run(["ps", "--ppid", str(agent_pid), "-o", "pid=,comm="], capture_output=True, text=True)
@@ -973,14 +985,7 @@ async def test_exec_run_redials_a_kept_connection_whose_handler_died(agent: Agen
     idle = await exec_done(client, ["true"])
     os.kill(idle.handler_pid, signal.SIGKILL)  # type: ignore[attr-defined]
     assert await wait_for(lambda: idle.handler_pid not in handlers(agent.proc.pid), timeout=30)  # type: ignore[attr-defined]
-    counter = os.path.join(tempfile.mkdtemp(prefix="shoal-agent-count-"), "n")
-    try:
-        ran = await exec_done(client, ["sh", "-c", f"echo x >> {counter}"])
-        assert ran.exit.exit_code == 0 and ran.handler_pid != idle.handler_pid  # type: ignore[attr-defined]
-        with open(counter) as f:
-            assert f.read() == "x\n"
-    finally:
-        shutil.rmtree(os.path.dirname(counter), ignore_errors=True)
+    await runs_once_on_a_new_handler(client, idle.handler_pid)  # type: ignore[attr-defined]
     arg = unique_sleep_arg()
     task = asyncio.ensure_future(exec_done(client, ["sh", "-c", f"sleep {arg} & sleep {arg}"]))
     assert await wait_for(lambda: len(procs_with_arg(arg)) == 2, timeout=30)
@@ -1007,13 +1012,6 @@ async def test_an_idle_kept_connection_is_watched_by_the_loop(agent: Agent) -> N
     while again.handler_pid in handlers(agent.proc.pid) and time.monotonic() < deadline:  # type: ignore[attr-defined]
         time.sleep(0.01)  # blocking: the loop does not run, so the dead connection is still kept
     assert len(client._kept) == 1
-    counter = os.path.join(tempfile.mkdtemp(prefix="shoal-agent-count-"), "n")
-    try:
-        ran = await exec_done(client, ["sh", "-c", f"echo x >> {counter}"])
-        assert ran.exit.exit_code == 0 and ran.handler_pid != again.handler_pid  # type: ignore[attr-defined]
-        with open(counter) as f:
-            assert f.read() == "x\n"
-    finally:
-        shutil.rmtree(os.path.dirname(counter), ignore_errors=True)
+    await runs_once_on_a_new_handler(client, again.handler_pid)  # type: ignore[attr-defined]
     client.close()
     assert not client._kept
