@@ -24,7 +24,7 @@ log = logging.getLogger("shoal.protocol")
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 256 << 20
-LENGTH = _LEN = struct.Struct(">I")  # a frame's header
+LENGTH = struct.Struct(">I")  # a frame's header: the body's length
 
 KINDS = ("function", "container", "microvm", "vm")
 
@@ -254,7 +254,7 @@ _response_decoder = msgspec.msgpack.Decoder(Response)
 def encode(message: msgspec.Struct) -> bytes:
     """One frame: 4-byte big-endian length, then msgpack."""
     body = _encoder.encode(message)
-    return _LEN.pack(len(body)) + body
+    return LENGTH.pack(len(body)) + body
 
 
 def decode_request(body: bytes) -> Request:
@@ -300,7 +300,7 @@ async def read_header(reader) -> int | None:  # type: ignore[no-untyped-def]
         if getattr(exc, "partial", b"") == b"" or isinstance(exc, ConnectionError):
             return None
         raise
-    return _LEN.unpack(header)[0]
+    return LENGTH.unpack(header)[0]
 
 
 async def _read_guarded(reader: Any, guard: Any, busy: Callable[[], bool]) -> bytes | None:

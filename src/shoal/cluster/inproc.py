@@ -26,15 +26,13 @@ from shoal.node.server import NodeServer
 from shoal.node.trajectory import abandon
 from shoal.protocol import Request, Response
 
-_FRAME_HEADER = 4  # protocol.encode's length prefix
-
 
 def _roundtrip_request(request: Request) -> Request:
-    return protocol.decode_request(protocol.encode(request)[_FRAME_HEADER:])
+    return protocol.decode_request(protocol.encode(request)[protocol.LENGTH.size :])
 
 
 def _roundtrip_response(response: Response) -> Response:
-    return protocol.decode_response(protocol.encode(response)[_FRAME_HEADER:])
+    return protocol.decode_response(protocol.encode(response)[protocol.LENGTH.size :])
 
 
 class InProcessConnection:
