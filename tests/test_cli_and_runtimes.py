@@ -34,6 +34,17 @@ def test_cli_run_ls_rm(node: NodeProcess, client: shoal.Client) -> None:
     assert bad.returncode == 1 and "ImageNotFoundError" in bad.stderr
 
 
+def test_demo_uses_its_sandboxes_reports_their_memory_and_closes_them(node: NodeProcess, client: shoal.Client) -> None:
+    """`make demo` is the quick start's main job: every sandbox it makes answers, the figures it prints are
+    measured (memory from the sandboxes' own cgroups), and it leaves none behind."""
+    run = shoal_cli(node, "demo", "--count", "24", "--concurrency", "8", "--image", "busybox")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "24 ready in" in run.stdout and "24/24 ok" in run.stdout and "cleanup 24 closed" in run.stdout, run.stdout
+    charged = run.stdout.split("memory charged to their cgroups p50 ")[1].split(" MiB")[0]
+    assert 0 < float(charged) < 64, run.stdout  # an idle busybox sandbox: its shell and agent, well under 64 MiB
+    assert client.list(labels={"demo": "shoal"}) == []
+
+
 def test_doctor_names_what_it_checks() -> None:
     env = dict(os.environ)
     if settings.TEST_USERNS.is_set():  # as the test nodes run
