@@ -192,19 +192,25 @@ static void mkdir_p(const char *path) {
 }
 
 static int ahead_sysfs = -1; /* a spare's sysfs mount, made while it waited */
+static int ahead_lo;          /* a spare's loopback, brought up while it waited */
 
 /* The new network namespace's loopback up, as crun brings it up: localhost works inside (servers and their
- * clients in one sandbox, a kernel and its client) while nothing reaches outside without a network policy */
-static void loopback_up(void) {
+ * clients in one sandbox, a kernel and its client) while nothing reaches outside without a network policy.
+ * 0, or the step that failed (its errno set) */
+static const char *loopback_up(void) {
     int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    if (s < 0) fail("socket", "lo");
+    if (s < 0) return "socket";
     struct ifreq ifr;
     memset(&ifr, 0, sizeof ifr);
     strcpy(ifr.ifr_name, "lo");
-    if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0) fail("get flags", "lo");
+    const char *failed = NULL;
+    if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0) failed = "get flags";
     ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
-    if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0) fail("set flags", "lo");
+    if (!failed && ioctl(s, SIOCSIFFLAGS, &ifr) < 0) failed = "set flags";
+    int saved = errno;
     close(s);
+    errno = saved;
+    return failed;
 }
 
 static void child(const struct request *r, int sync_fd, int listen_fd, int log_fd) {
@@ -218,7 +224,8 @@ static void child(const struct request *r, int sync_fd, int listen_fd, int log_f
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     if (setsid() < 0) fail("setsid", NULL);
-    loopback_up();
+    const char *lo_failed = ahead_lo ? NULL : loopback_up();
+    if (lo_failed) fail(lo_failed, "lo");
     if (unshare(CLONE_NEWCGROUP) < 0) fail("unshare", "cgroup"); /* rooted at the sandbox's cgroup */
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail("make private", "/");
     if (mount("overlay", r->rootfs, "overlay", 0, r->overlay) < 0) fail("mount overlay", r->rootfs);
@@ -457,8 +464,8 @@ static const char *join_cgroup(const struct request *r, pid_t pid) {
 
 /* Why (issue 12): cloning into new PID, network, IPC and UTS namespaces costs ~0.8 ms here (the network
  * namespace ~0.6), on the create's critical path. The launcher makes the next sandbox's init ahead, while it
- * waits for requests: a process in fresh namespaces of those four kinds, blocked reading its own socketpair.
- * A create then places it in the sandbox's cgroup (before it runs a step of its own, as the sync pipe does
+ * waits for requests: a process in fresh namespaces of those four kinds, with its /sys mounted and its
+ * loopback up (neither depends on the request), blocked reading its own socketpair. A create then places it in the sandbox's cgroup (before it runs a step of its own, as the sync pipe does
  * for a child cloned on the spot) and sends it the request as it came with its three fds (the agent's
  * listening socket, the log, the status pipe); the spare parses it, takes a mount namespace of its own
  * (made now, not ahead: a copy of the host's mount table as it is at this create, with the layers mounted
@@ -491,6 +498,7 @@ static int make_sysfs_ahead(void) {
 static void spare_wait(int sock) {
     static char msg[MSG_MAX];
     ahead_sysfs = make_sysfs_ahead();
+    ahead_lo = loopback_up() == NULL; /* else tried again at the create, where a failure is reported */
     char control[CMSG_SPACE(3 * sizeof(int))];
     struct iovec iov = {msg, sizeof msg - 1};
     struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};

@@ -12,13 +12,13 @@ capabilities, no_new_privs, seccomp, exec of the agent. The same isolation as th
 (tests/test_hardening.py runs every escape attempt under it).
 
 What does not depend on the request is done ahead, while the launcher waits (launcher.c, "the spare"): the
-next sandbox's init is cloned into its pid/net/ipc/uts namespaces and mounts its /sys in advance; a create
-places it in the sandbox's cgroup before it runs a step of its own, and it takes its mount namespace then
-(the host's mounts as they are at that create). At thousands of live sandboxes the kernel's per-create work
-grows with their number (a sysfs superblock lookup, pivot_root's walk of every task, the cpu bandwidth
-check, a memory cgroup's removal walking every superblock's LRU lists): the launcher reaps by pid, writes
-the cfs period only if it differs from the kernel's default, and gives a sandbox's masked directories one
-tmpfs between them.
+next sandbox's init is cloned into its pid/net/ipc/uts namespaces, mounts its /sys and brings its
+loopback up in advance; a create places it in the sandbox's cgroup before it runs a step of its own, and it
+takes its mount namespace then (the host's mounts as they are at that create). At thousands of live
+sandboxes the kernel's per-create work grows with their number (a sysfs superblock lookup, pivot_root's
+walk of every task, the cpu bandwidth check, a memory cgroup's removal walking every superblock's LRU
+lists): the launcher reaps by pid, writes the cfs period only if it differs from the kernel's default, and
+gives a sandbox's masked directories one tmpfs between them.
 
 The launcher is the init's parent and reaps it; it exits when the node's end of the socket closes, and
 the sandboxes it made keep running (a restarted node re-adopts them from record.json and their cgroup).
