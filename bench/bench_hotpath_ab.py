@@ -10,7 +10,8 @@ the same with record=False (`bare`), warm-pool claims (`claim`) and exec through
 (`tput`): p50/p99 latency, node CPU-ms per op (utime+stime of each node process from /proc, all threads) and
 the per-round CPU figures, whose spread shows how far the load moved them.
 
-`create` (sequential create -> close; latency of the create) and `conc` (create + exec `true` + close,
+`create` (sequential create -> close; latency of the create; with neither `exec` nor `bare`, no other
+sandbox of the image is alive: a cold create) and `conc` (create + exec `true` + close,
 16 at a time) run on --runtime (R, or BEFORE:AFTER: `src src --runtime crun:shoal` compares two runtimes
 on one tree; `default` names none, so each node picks: `--runtime default` against a tree from before
 SHOAL_RUNTIME shows what a user who names no runtime gains) and also print shoal's CPU per op: the node
@@ -187,13 +188,15 @@ async def main(args: argparse.Namespace) -> None:
             client = shoal.AsyncClient(home=homes[name], autostart=False)
             await client.__aenter__()
             variants.append(Variant(name, client, (await client.status())["pid"], runtimes[name]))
-        for v in variants:
+        only = args.only.split(",")
+        # only the exec rows keep sandboxes alive: without them `create` is a cold create (no other sandbox of
+        # the image alive, so its layers are mounted by the create unless the node kept them: the linger)
+        for v in variants if {"exec", "bare"} & set(only) else []:
             v.logged = await v.client.create(image=IMAGE, pool=False, ttl_s=TTL)
             v.unlogged = await v.client.create(image=IMAGE, pool=False, ttl_s=TTL, record=False)
             for sb in (v.logged, v.unlogged):
                 for _ in range(10):
                     await sb.exec(["true"])
-        only = args.only.split(",")
         for r in range(args.rounds):
             for v in variants if r % 2 == 0 else variants[::-1]:  # alternate who goes first
                 if "exec" in only:

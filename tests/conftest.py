@@ -23,6 +23,11 @@ IMAGES = settings.IMAGES_DIR.get() or Path("/var/lib/shoal/store")
 # A cold boot of the systemd `vm` under TCG takes ~40 s on a quiet 2-core machine and minutes on a loaded one;
 # the node's default (120 s) is for users: tests wait for the boot rather than fail on the machine's load.
 os.environ.setdefault(settings.VM_BOOT_TIMEOUT.name, "400")
+# A node keeps an unused image layer mounted for SHOAL_LAYER_LINGER_S (10 s) after its last sandbox closed.
+# The leak checks run right after a test's closes and count layer mounts: with the linger they would have to
+# wait it out after every test, and they would no longer tell a layer reference that leaked from one that
+# lingers. Test nodes release at once; test_images_node's linger tests start nodes with it on.
+os.environ.setdefault(settings.LAYER_LINGER_S.name, "0")
 
 # Unix socket paths (agent, QMP, serial, node) live in node homes under tmp_path and may not exceed 108 bytes.
 # pytest's default base, /tmp/pytest-of-<user>/pytest-<N>/<test name, 30 chars>0/, leaves only a few bytes

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import DEBIAN_RELEASE, FETCH, NodeProcess, layer_mounts, outside_network
+from conftest import DEBIAN_RELEASE, FETCH, NodeProcess, layer_mounts, no_leftovers, outside_network
 from ocitools import Entry, layer_tar, write_oci_layout
 
 import shoal
@@ -253,6 +254,48 @@ def test_layer_mounts_are_shared_and_released(client: shoal.Client, node: NodePr
     while layer_mounts(node.home) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert layer_mounts(node.home) == []
+
+
+def _layer_mount_ids(node: NodeProcess) -> dict[str, str]:
+    """The node's layer mounts: target -> mount ID (a new mount of the same target gets a new ID)."""
+    lines = Path(f"/proc/{node.pid}/mountinfo").read_text().splitlines()
+    base = str(node.home / "layers") + "/"
+    return {f[4]: f[0] for line in lines if (f := line.split())[4].startswith(base)}
+
+
+@pytest.mark.skipif(not erofs.supported(), reason="no EROFS on this host: layers are plain directories")
+@pytest.mark.filterwarnings("ignore::shoal.NodeSettingsWarning")  # this node's linger differs from conftest's
+def test_an_unused_layer_lingers_for_the_next_create_then_goes(tmp_path: Path) -> None:
+    """With SHOAL_LAYER_LINGER_S, the last close keeps its layers mounted (the next create of the image uses
+    the same mounts: no mount, no unmount) and they go once the linger ends; a node's shutdown, and a node
+    SIGKILLed with layers lingering then restarted, leave none."""
+    parent = f"shoal-test-linger-{os.getpid()}"
+    node = NodeProcess(tmp_path / "home", parent, SHOAL_LAYER_LINGER_S="3").start()
+    try:
+        with node.client() as client:
+            client.create("container", image="busybox", pool=False, ttl_s=300).close()
+            lingering = _layer_mount_ids(node)
+            assert len(lingering) >= len(client.image_inspect("busybox")["layers"])
+            with client.create("container", image="busybox", pool=False, ttl_s=300) as sb:
+                assert sb.exec("true").exit_code == 0
+                assert _layer_mount_ids(node) == lingering  # taken as they were
+            assert _layer_mount_ids(node) == lingering
+            deadline = time.monotonic() + 15
+            while layer_mounts(node.home) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert layer_mounts(node.home) == []  # the linger ended
+            client.create("container", image="busybox", pool=False, ttl_s=300).close()
+            assert layer_mounts(node.home)
+        node.stop(signal.SIGKILL)  # lingering: the next node on the home clears them
+        node = NodeProcess(node.home, parent, SHOAL_LAYER_LINGER_S="3").start()
+        with node.client() as client:
+            assert client.status()["pid"] == node.pid
+            assert layer_mounts(node.home) == []
+            client.create("container", image="busybox", pool=False, ttl_s=300).close()
+            assert layer_mounts(node.home)
+    finally:
+        node.stop()  # lingering: a clean stop unmounts them
+    assert not no_leftovers(node.home, parent, node_stopped=True)
 
 
 def test_import_through_the_client_and_whiteouts_over_a_base(client: shoal.Client, tmp_path: Path) -> None:

@@ -144,6 +144,8 @@ class NodeSettings:
     # the runtime of containers whose create names none: "auto" (shoal's launcher where the host supports it,
     # else crun), or a runtime's name (substrates/container/choice.py decides once, at node start)
     runtime: str = "auto"
+    # seconds an image layer stays mounted once no sandbox uses it (images/erofs.py: LayerMounts)
+    layer_linger_s: float = 10.0
 
     @classmethod
     def from_env(cls, home: Path | None = None) -> NodeSettings:
@@ -167,6 +169,7 @@ class NodeSettings:
             default_idle_timeout_s=settings.DEFAULT_IDLE_S.get() or None,
             default_cpu=settings.DEFAULT_CPU.get() or None,
             runtime=settings.RUNTIME.get(),
+            layer_linger_s=max(0.0, settings.LAYER_LINGER_S.get()),
         )
 
 

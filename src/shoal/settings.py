@@ -243,6 +243,11 @@ NET_POOL: Setting[str] = _declare(
 EROFS: Setting[bool] = _declare(
     "SHOAL_EROFS", bool, True, IMAGES, "Mount layers as EROFS images (0: plain directories)."
 )
+LAYER_LINGER_S: Setting[float] = _declare(
+    "SHOAL_LAYER_LINGER_S", float, 10.0, IMAGES,
+    "Seconds a node keeps an image layer mounted after the last sandbox using it closed (the next create of "
+    "that image skips the mount, the close the unmount); 0: unmounted at once.",
+)  # fmt: skip
 DEBIAN_SUITE: Setting[str] = _declare(
     "SHOAL_DEBIAN_SUITE", str, "bookworm", IMAGES, "Debian suite of the builtin `debian` images and the `vm` root."
 )

@@ -2,8 +2,9 @@
 
 Linux ≥ 6.12 mounts an EROFS image straight from a regular file (no loop device). Each layer is mounted
 read-only once per node, under `$SHOAL_HOME/layers/<id>`, and shared by every sandbox stacking it; the
-mount goes when the last sandbox using it does. A shared flock on the layer's record tells garbage
-collection (possibly in another node sharing the store) that the layer is in use.
+mount goes a short while (the linger, SHOAL_LAYER_LINGER_S) after the last sandbox using it does. A shared
+flock on the layer's record tells garbage collection (possibly in another node sharing the store) that the
+layer is in use; a lingering layer holds it too, so such a collection keeps it until the linger ends.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,13 +59,23 @@ class _Held:
     refs: int
     lock_fd: int
     mounted: bool
+    idle_until: float = 0.0  # refs 0: kept (mounted, flock held) until this time.monotonic()
 
 
 class LayerMounts:
-    """Reference-counted read-only mounts of layers, one per layer per node."""
+    """Reference-counted read-only mounts of layers, one per layer per node.
 
-    def __init__(self, mount_root: Path) -> None:
+    A layer whose last reference goes is kept for `linger_s` more seconds, owned by this object (it is in
+    `_held` with no references): a create of the same image within that time takes it as it is. Why (issue
+    12): mounting an EROFS layer costs ≈1 ms of a create and unmounting it ≈1.5 ms of a close, paid at every
+    create and close while sandboxes of an image come and go one at a time. Bounded by time: `close_idle`
+    (called by the node when the earliest linger ends) closes what lingered its time, `release_all` (the
+    node's shutdown) and `close_idle(everything=True)` (before a prune) close them at once; a node killed
+    outright loses its mount namespace with them, and its successor's `unmount_stale` clears the rest."""
+
+    def __init__(self, mount_root: Path, linger_s: float = 0.0) -> None:
         self.mount_root = mount_root
+        self.linger_s = linger_s
         self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()
 
@@ -89,14 +101,14 @@ class LayerMounts:
             return [h.path for h in held]  # type: ignore[union-attr]
 
     def release_if_shared(self, layer_ids: tuple[str, ...] | list[str]) -> bool:
-        """Drop a reference on each layer if none of them is its last (no unmount: fit for the event loop);
-        False, dropping nothing, otherwise."""
+        """Drop a reference on each layer if none of them must be unmounted now (another reference stays, or
+        the last lingers): no I/O, fit for the event loop; False, dropping nothing, otherwise."""
         with self._lock:
             held = [self._held.get(layer_id) for layer_id in layer_ids]
-            if any(h is None or h.refs <= 1 for h in held):
+            if any(h is None or (h.refs <= 1 and self.linger_s <= 0) for h in held):
                 return False
             for h in held:
-                h.refs -= 1  # type: ignore[union-attr]
+                self._drop(h)  # type: ignore[arg-type]
             return True
 
     def release(self, layer_id: str) -> None:
@@ -104,10 +116,30 @@ class LayerMounts:
             held = self._held.get(layer_id)
             if held is None:
                 return
-            held.refs -= 1
-            if held.refs <= 0:
+            self._drop(held)
+            if held.refs <= 0 and self.linger_s <= 0:
                 del self._held[layer_id]
                 self._close(held)
+
+    def _drop(self, held: _Held) -> None:
+        held.refs -= 1
+        if held.refs <= 0:
+            held.idle_until = time.monotonic() + self.linger_s
+
+    def close_idle(self, everything: bool = False) -> float | None:
+        """Close the layers that lingered their time (`everything`: every lingering one); when the next
+        linger ends (time.monotonic()), or None if none lingers."""
+        with self._lock:
+            now, next_end = time.monotonic(), None
+            for layer_id, held in list(self._held.items()):
+                if held.refs > 0:
+                    continue
+                if everything or held.idle_until <= now:
+                    del self._held[layer_id]
+                    self._close(held)
+                else:
+                    next_end = held.idle_until if next_end is None else min(next_end, held.idle_until)
+            return next_end
 
     def release_all(self) -> None:
         with self._lock:
@@ -116,8 +148,9 @@ class LayerMounts:
             self._held.clear()
 
     def in_use(self) -> dict[str, int]:
+        """Layers some sandbox uses, with their references (lingering ones left out)."""
         with self._lock:
-            return {k: v.refs for k, v in self._held.items()}
+            return {k: v.refs for k, v in self._held.items() if v.refs > 0}
 
     def _open(self, layer_id: str, layer_dir: Path) -> _Held:
         try:

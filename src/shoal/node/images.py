@@ -54,11 +54,13 @@ MAX_LOWERDIR_CHARS = 3500  # mount(2) options fit one page, shared with upperdir
 
 
 class NodeImages:
-    def __init__(self, store: ImageStore, mount_root: Path) -> None:
+    def __init__(self, store: ImageStore, mount_root: Path, linger_s: float = 0.0) -> None:
         self.store = store
-        self.mounts = LayerMounts(mount_root)
+        self.mounts = LayerMounts(mount_root, linger_s)
         self.mount_root = mount_root
         self._pulls: dict[tuple[str, str | None], tuple[asyncio.Future, list[Emit]]] = {}
+        self._expiry: asyncio.TimerHandle | None = None  # when the earliest lingering layer's time ends
+        self._expiring: asyncio.Task | None = None
 
     def reconcile(self) -> list[str]:
         return unmount_stale(self.mount_root)
@@ -143,6 +145,40 @@ class NodeImages:
     async def release(self, layer_ids: list[str] | tuple[str, ...]) -> None:
         if not self.mounts.release_if_shared(layer_ids):  # a last reference unmounts: off the loop
             await asyncio.to_thread(self._release_all, layer_ids)
+        if self.mounts.linger_s > 0 and self._expiry is None and self._expiring is None:
+            self._expire_at(time.monotonic() + self.mounts.linger_s)
+
+    def _expire_at(self, when: float) -> None:
+        """Close the layers that lingered their time (LayerMounts.close_idle) at `when`, and again at the next
+        end while some linger: one timer for all of them."""
+        loop = asyncio.get_running_loop()
+        self._expiry = loop.call_at(loop.time() + max(0.0, when - time.monotonic()) + 0.01, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = None
+        self._expiring = asyncio.ensure_future(asyncio.to_thread(self.mounts.close_idle))
+        self._expiring.add_done_callback(self._expired)
+
+    def _expired(self, task: asyncio.Task) -> None:
+        self._expiring = None
+        if task.cancelled():
+            return
+        if task.exception() is not None:  # the layer stays held: tried again at the next release
+            log.warning("could not unmount a lingering layer: %s", task.exception())
+            return
+        next_end = task.result()
+        if next_end is not None and self._expiry is None:
+            self._expire_at(next_end)
+
+    async def close(self) -> None:
+        """Unmount every layer, lingering or not (the node's shutdown: its sandboxes are closed)."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        if self._expiring is not None:
+            with contextlib.suppress(Exception):
+                await self._expiring
+        await asyncio.to_thread(self.mounts.release_all)
 
     # ---------------------------------------------------------------- snapshots
 
@@ -302,7 +338,11 @@ class NodeImages:
         return {"name": target, "layers": list(image.layer_ids)}
 
     async def prune(self) -> dict[str, Any]:
-        return await asyncio.to_thread(self.store.prune)
+        def run() -> dict[str, Any]:
+            self.mounts.close_idle(everything=True)  # a lingering layer's flock would keep it from removal
+            return self.store.prune()
+
+        return await asyncio.to_thread(run)
 
     async def import_archive(self, path: str, name: str | None = None) -> list[str]:
         return await asyncio.to_thread(layout.import_archive, self.store, Path(path), name)

@@ -90,7 +90,7 @@ class NodeService:
         self.settings = settings
         self._started_env = dict(os.environ)  # what configured this node (clients compare theirs: settings_env)
         self.images = register_builtins(ImageStore(paths.images))
-        self.node_images = NodeImages(self.images, paths.home / "layers")
+        self.node_images = NodeImages(self.images, paths.home / "layers", settings.layer_linger_s)
         container = ContainerSubstrate(
             paths.sandboxes,
             paths.runtime_root,
@@ -162,7 +162,7 @@ class NodeService:
         await asyncio.gather(*(self.kill(i, reason="node shut down") for i in list(self.sandboxes)))
         await self._settle()
         self.trajectory.close()
-        await asyncio.to_thread(self.node_images.mounts.release_all)
+        await self.node_images.close()
         await self.network.cleanup_all()
         for substrate in self._snapshotting_substrates():
             substrate.delete_all_snapshots()
