@@ -72,8 +72,20 @@ def test_a_shoal_sandbox_gets_what_crun_gives(node: NodeProcess, client: shoal.C
     ):
         assert "shoal" in (node.home / "sandboxes" / own.id / "record.json").read_text()
         assert own.exec(SELF_VIEW).stdout == crun.exec(SELF_VIEW).stdout
-        assert _limits(node, own.id) == _limits(node, crun.id)
-        assert _agent_cgroup(node, own.id).replace(own.id, "X") == _agent_cgroup(node, crun.id).replace(crun.id, "X")
+        # one difference (issue 12): the launcher's sandbox joins its parent's cpuset, which has the cpus and
+        # mems crun copies into a cpuset per container (launcher.c, in_parent_cpuset)
+        own_limits, crun_limits = _limits(node, own.id), _limits(node, crun.id)
+        parent_cpuset = cgroups.ROOT / "cpuset" / node.cgroup_parent
+        assert own_limits == crun_limits | {
+            "cpuset.cpus": "(none)", "cpuset.mems": "(none)",
+            "hierarchies": crun_limits["hierarchies"].replace(" cpuset ", " "),
+        }  # fmt: skip
+        assert [(parent_cpuset / n).read_text() for n in ("cpuset.cpus", "cpuset.mems")] == [
+            crun_limits["cpuset.cpus"], crun_limits["cpuset.mems"],
+        ]  # fmt: skip
+        own_cgroup = _agent_cgroup(node, own.id).replace(own.id, "X")
+        own_cgroup = own_cgroup.replace(f":cpuset:/{node.cgroup_parent}\n", f":cpuset:/{node.cgroup_parent}/X\n")
+        assert own_cgroup == _agent_cgroup(node, crun.id).replace(crun.id, "X")
         # the overlay is mounted in the sandbox's own mount namespace only, as with crun
         assert leftovers(node.home, node.cgroup_parent)["mounts"] == []
         pid = str(sandbox_pid(node.home, own.id))
