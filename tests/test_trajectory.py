@@ -180,16 +180,23 @@ def test_log_cli_show_and_export(client: shoal.Client, node: NodeProcess, tmp_pa
     assert missing.returncode == 1 and "no trajectory log" in missing.stderr
 
 
-def test_step_is_durable_when_the_node_dies_right_after_the_ack(tmp_path: Path) -> None:
-    doomed = NodeProcess(tmp_path / "home", f"shoal-test-durable-{os.getpid()}").start()
+@pytest.mark.parametrize("batch_ms", ["0", "600000"])
+def test_step_is_durable_when_the_node_dies_right_after_the_ack(tmp_path: Path, batch_ms: str) -> None:
+    """SIGKILLed right after the ack, with the result already in SQLite (batch_ms 0) or only in the journal
+    (a batch that never comes before the kill): the restarted node has the step and fast-forwards it. A node
+    that did not replay the journal into SQLite runs the step a second time here."""
+    doomed = NodeProcess(tmp_path / "home", f"shoal-test-durable-{os.getpid()}", SHOAL_LOG_BATCH_MS=batch_ms).start()
     with doomed.client() as client:
         sb = client.create(image="busybox", pool=False, trajectory="durable")
         acked = sb.exec("echo once >> /f; cat /proc/sys/kernel/random/uuid")
+        if batch_ms == "0":
+            time.sleep(0.2)  # the batch's turn of the loop
         os.kill(doomed.pid, signal.SIGKILL)  # no chance to flush anything after the ack
     doomed.stop(signal.SIGKILL)
     db = sqlite3.connect(f"file:{tmp_path / 'home' / 'trajectory.db'}?mode=ro", uri=True)
-    assert db.execute("SELECT COUNT(*) FROM steps WHERE sandbox_id=?", (sb.id,)).fetchone() == (1,)
+    in_sqlite = db.execute("SELECT COUNT(*) FROM steps WHERE sandbox_id=?", (sb.id,)).fetchone()
     db.close()
+    assert in_sqlite == ((1,) if batch_ms == "0" else (0,))  # killed between the journal and the batch
     restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
     try:
         with restarted.client() as client:

@@ -131,6 +131,11 @@ SANDBOXES_CPU_WEIGHT: Setting[float] = _declare(
     "SHOAL_SANDBOXES_CPU_WEIGHT", float, 0.0, NODE,
     "CPU weight of all sandboxes together, in busy host processes; 0: one per CPU of the host.",
 )  # fmt: skip
+LOG_BATCH_MS: Setting[float] = _declare(
+    "SHOAL_LOG_BATCH_MS", float, 20.0, NODE,
+    "Milliseconds a logged step's result waits in the durable journal before joining a batch written to "
+    "the trajectory log's SQLite database (reads see it meanwhile).",
+)  # fmt: skip
 LOG_RESERVE_MB: Setting[float] = _declare(
     "SHOAL_LOG_RESERVE_MB", float, 64.0, NODE,
     "Disk (MB) the trajectory log keeps in reserve, released when a commit finds the disk full.",

@@ -1,17 +1,26 @@
-"""Steps that are running, as the trajectory log keeps them: one append to a plain file per step, not a SQLite
-commit.
+"""The trajectory log's journal: what makes a step durable. One pwrite() into a pre-zeroed file per record, and one
+fdatasync of that file (node/walsync.py) covers every record written before it, across sandboxes.
 
-A step's intent (it is about to run) must outlive the node process, so that a re-issue after a crash raises
-(its outcome is unknown) instead of running it twice; it need not outlive the machine, which takes its
-sandboxes with it. A write() into the page cache is all that takes. As a SQLite commit it cost a logged step
-a second WAL frame (a 4 KiB page, six fcntl locks, two pwrites: 60-90 µs of the loop's time before the step
-could start, issue 12); here it is one write() of ~150 bytes. The step's result row, written to SQLite when
-it ends, supersedes it.
+Records: a running step's intent (it is about to run), a step's result, a sandbox opened or closed. SQLite
+(node/trajectory.py) gets the results in batches, off the step's path and without an fsync of its own: a node
+that starts replays the journal into SQLite (in the order written: an intent never overrides a result already
+there, a result replaces its intent), fsyncs SQLite's WAL and only then starts the journal over. Why: a SQLite
+commit per result cost a logged exec 15 of its 33.6 syscalls (a 4 KiB WAL frame, six fcntl locks, ≈35 µs of
+the loop) and its own fdatasync of a WAL that also takes the checkpoints (issue 12); a journal record is one
+pwrite of ~200 bytes, and a batch of a hundred rows costs SQLite about what one row did.
 
-The file holds length-prefixed msgpack rows in the `steps` table's column order. A node that starts moves
-the rows it finds into the table (those whose step has no row yet, of sandboxes the log still has), then
-starts the file over; while it grows past ROTATE_BYTES it is rewritten with only the running steps (a new
-file renamed over the old: a crash leaves one or the other, both complete).
+Layout. A 16-byte header (MAGIC, then the epoch: a u64 that every start-over increments) and records from
+byte 16: a u32 length, a u32 CRC-32 of the body seeded with the epoch, the body (msgpack of a tuple; a step
+in the `steps` table's column order, 10 fields, its intent with `finished_at` None; a sandbox opened, 6 fields;
+closed, 5). The file is JOURNAL_BYTES of zeros written once (not fallocated: unwritten extents would make
+every fdatasync commit their conversion to the file system's journal, the cost bench/bench_walfloor.py
+measured for a growing WAL), so an fdatasync flushes data only. Recovery reads records until a zero length
+or a CRC that fails: a torn record, or the stale records of an earlier epoch past the tail, end it.
+
+Starting over (`rotate`, once the tail passes ROTATE_BYTES) happens in place: a new epoch in the header, then
+the running steps' intents from byte 16. The caller first puts every result into SQLite and fsyncs the WAL, so
+whichever header a crash leaves on disk, nothing acknowledged depends on the records it can no longer read.
+Files from before this layout (length-prefixed msgpack intents) are still read, then replaced.
 """
 
 from __future__ import annotations
@@ -19,12 +28,17 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import zlib
 from pathlib import Path
 
 import msgspec
 
-ROTATE_BYTES = 1 << 20
-_LENGTH = struct.Struct("<I")
+MAGIC = b"SHOALJ1\0"
+JOURNAL_BYTES = 8 << 20  # the pre-zeroed size (on a disk without the room, the file grows as records come)
+ROTATE_BYTES = 4 << 20  # the tail past which the caller starts the journal over
+_HEADER = struct.Struct("<8sQ")
+_RECORD = struct.Struct("<II")
+_LEGACY = struct.Struct("<I")
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder().decode
 
@@ -32,64 +46,92 @@ _decode = msgspec.msgpack.Decoder().decode
 class IntentJournal:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.running: dict[tuple[str, int], tuple] = {}  # (sandbox_id, seq) -> its row, until its result is in
+        self.running: dict[tuple[str, int], tuple] = {}  # (sandbox_id, seq) -> its intent, until its result is in
+        self.offset = _HEADER.size  # where the next record goes
+        self.epoch = 0
         self._fd = -1
-        self._size = 0
 
     def recover(self) -> list[tuple]:
-        """The rows a node that stopped left (read before `open` starts the file over)."""
+        """The records a node that stopped left, in the order written (read before `open` starts over)."""
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
             return []
-        rows, at = [], 0
-        while at + _LENGTH.size <= len(data):
-            (size,) = _LENGTH.unpack_from(data, at)
-            body = data[at + _LENGTH.size : at + _LENGTH.size + size]
-            if len(body) < size:  # a write cut short (a full disk): nothing after it was written
-                break
+        if not data.startswith(MAGIC):
+            return _recover_legacy(data)
+        _, epoch = _HEADER.unpack_from(data)
+        rows, at = [], _HEADER.size
+        seed = epoch & 0xFFFFFFFF
+        while at + _RECORD.size <= len(data):
+            size, crc = _RECORD.unpack_from(data, at)
+            body = data[at + _RECORD.size : at + _RECORD.size + size]
+            if size == 0 or len(body) < size or zlib.crc32(body, seed) != crc:
+                break  # the tail: zeros, a torn record, or an earlier epoch's records
             try:
                 rows.append(tuple(_decode(body)))
             except msgspec.DecodeError:
                 break
-            at += _LENGTH.size + size
+            at += _RECORD.size + size
         return rows
 
     def open(self) -> None:
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        self._size = 0
-
-    def add(self, row: tuple) -> None:
-        """Keep `row` (a running step's, in the steps table's column order); OSError if the disk refused it."""
-        frame = _frame(row)
-        self._write(self._fd, frame)
-        self.running[(row[0], row[1])] = row
-        self._size += len(frame)
-        if self._size > ROTATE_BYTES:
-            self._rotate()
-
-    def done(self, sandbox_id: str, seq: int) -> None:
-        self.running.pop((sandbox_id, seq), None)
-
-    def _rotate(self) -> None:
-        fresh = self.path.with_name(self.path.name + ".new")
-        fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        """Start the journal over (after `recover`'s records are durable elsewhere): a new epoch, an empty tail,
+        JOURNAL_BYTES of written zeros (made once, synced once)."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            self._write(fd, b"".join(_frame(row) for row in self.running.values()))
-            os.replace(fresh, self.path)
+            head = os.pread(fd, _HEADER.size, 0)
+            epoch = _HEADER.unpack(head)[1] if head.startswith(MAGIC) and len(head) == _HEADER.size else 0
+            if epoch == 0 or os.fstat(fd).st_size < JOURNAL_BYTES:
+                os.ftruncate(fd, 0)
+                zeros = bytes(1 << 20)
+                try:
+                    for at in range(0, JOURNAL_BYTES, len(zeros)):
+                        if os.pwrite(fd, zeros[: JOURNAL_BYTES - at], at) != min(len(zeros), JOURNAL_BYTES - at):
+                            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                except OSError as exc:  # a small disk: records then grow the file (each fsync commits its size)
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    os.ftruncate(fd, 0)
+            self.epoch = epoch + 1
+            os.pwrite(fd, _HEADER.pack(MAGIC, self.epoch), 0)
+            os.fdatasync(fd)
         except BaseException:
             os.close(fd)
-            fresh.unlink(missing_ok=True)
             raise
-        os.close(self._fd)
         self._fd = fd
-        self._size = os.fstat(fd).st_size
+        self.offset = _HEADER.size
 
-    @staticmethod
-    def _write(fd: int, data: bytes) -> None:
-        written = os.write(fd, data) if data else 0
-        if written != len(data):  # a regular file writes short only when the disk is full: take the piece back
-            os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_END) - written)
+    def add(self, row: tuple) -> None:
+        """Keep a running step's intent (its row, `finished_at` None); OSError if the disk refused it."""
+        self.write(row)
+        self.running[(row[0], row[1])] = row
+
+    def write(self, record: tuple) -> None:
+        """Append one record (not synced: the caller's fdatasync of `fd` covers it); OSError if the disk refused."""
+        frame = self._frame(record)
+        self._pwrite(frame, self.offset)
+        self.offset += len(frame)
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    def rotate(self) -> None:
+        """Start over in place with only the running steps' intents. The caller has made every other record
+        durable in SQLite first (results written, WAL fsynced)."""
+        self.epoch += 1
+        self.offset = _HEADER.size
+        frames = b"".join(self._frame(row) for row in self.running.values())
+        self._pwrite(_HEADER.pack(MAGIC, self.epoch) + frames, 0)
+        self.offset += len(frames)
+
+    def _frame(self, record: tuple) -> bytes:
+        body = _encode(record)
+        return _RECORD.pack(len(body), zlib.crc32(body, self.epoch & 0xFFFFFFFF)) + body
+
+    def _pwrite(self, data: bytes, at: int) -> None:
+        written = os.pwrite(self._fd, data, at)
+        if written != len(data):  # past the zeroed size on a full disk: the torn record fails its CRC
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     def close(self) -> None:
@@ -98,6 +140,17 @@ class IntentJournal:
             self._fd = -1
 
 
-def _frame(row: tuple) -> bytes:
-    body = _encode(row)
-    return _LENGTH.pack(len(body)) + body
+def _recover_legacy(data: bytes) -> list[tuple]:
+    """Intents in the layout before this one: length-prefixed msgpack, appended."""
+    rows, at = [], 0
+    while at + _LEGACY.size <= len(data):
+        (size,) = _LEGACY.unpack_from(data, at)
+        body = data[at + _LEGACY.size : at + _LEGACY.size + size]
+        if len(body) < size:  # a write cut short (a full disk): nothing after it was written
+            break
+        try:
+            rows.append(tuple(_decode(body)))
+        except msgspec.DecodeError:
+            break
+        at += _LEGACY.size + size
+    return rows

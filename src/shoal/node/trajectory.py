@@ -1,16 +1,19 @@
 """The trajectory log: every step run in a sandbox, in order, durable before its result is returned.
 
-One SQLite database per node (`$SHOAL_HOME/trajectory.db`) in WAL mode; a committed step survives a
-SIGKILL of the node and a power cut. Rows are written on the event loop itself (a WAL append without fsync,
-`synchronous=NORMAL`: tens of microseconds and no thread hop); then one fdatasync of the WAL covers every
-row written before it started (group commit across sandboxes) and a step's result is answered only after
-the fsync that covers it. A step's intent (it is about to run) is one write() to a plain file instead
-(node/intents.py): it must outlive the node process only. NORMAL plus that fsync is what FULL does
-(FULL syncs the WAL at every commit). The fsync is submitted to the kernel with Linux AIO and completes on
-an eventfd the loop watches (node/walsync.py: no thread hand-off per step); where AIO cannot fsync, a
-syncer thread does it. Checkpoints, which sync the database file, run on the syncer thread. Reads
-(fast-forward, `shoal log`) use a separate connection on the event loop: point lookups by primary key take
-microseconds.
+One SQLite database per node (`$SHOAL_HOME/trajectory.db`) in WAL mode, and in front of it a journal
+(`trajectory.db.intents`, node/intents.py) that makes a step durable: a logged step's intent (it is about to
+run) and its result are each one pwrite() of a record there, and one fdatasync of the journal covers every
+record written before it started (group commit across sandboxes); a step's result is answered only after the
+fsync that covers it, so it survives a SIGKILL of the node and a power cut. The fsync is submitted to the
+kernel with Linux AIO and completes on an eventfd the loop watches (node/walsync.py: no thread hand-off per
+step); where AIO cannot fsync, a syncer thread does it. Results reach SQLite in batches (one transaction every
+SHOAL_LOG_BATCH_MS, `synchronous=NORMAL`, no fsync: the journal is what is durable); until then reads find
+them in memory. A node that starts replays the journal into SQLite, fsyncs the WAL, and starts the journal
+over; so does a running node when the journal fills (flushing and fsyncing first). Why: a SQLite commit per
+result was 15 of a logged exec's 33.6 syscalls (issue 12). Sandboxes opened and closed are journal records
+too (a close waits for its fsync; an open rides on the next one). Checkpoints, which sync the database
+file, run on the syncer thread. Reads (fast-forward, `shoal log`) use a separate connection on the event
+loop: point lookups by primary key take microseconds.
 
 A step's `key` (shoal/steps.py) is a digest of the arguments that define it; a re-issued step with the
 same sequence number and key returns the logged result, a different key is a divergence.
@@ -49,6 +52,7 @@ from shoal.errors import (
     from_wire,
     to_wire,
 )
+from shoal.node import intents as intents_module
 from shoal.node.intents import IntentJournal
 from shoal.node.walsync import WalSync
 from shoal.steps import (
@@ -80,6 +84,7 @@ log = logging.getLogger("shoal.trajectory")
 JOURNAL_LIMIT = 8 << 20
 CHECKPOINT_WRITES = 500  # after this many writes the syncer copies the WAL into the database (≈1000 pages)
 CHECKPOINT_PASSES = 4  # PASSIVE checkpoints in a row at most, catching up with the writes made while one ran
+BATCH_ROWS = 512  # journaled results that make a batch at once, without waiting for SHOAL_LOG_BATCH_MS
 BUSY_WAIT = 0.0005  # a write the checkpoint's lock refused is retried after this (seconds), for up to 10 s
 
 # Tasks running a logged step now (Recorder.step), with how many: a client that goes away must not stop them.
@@ -161,17 +166,24 @@ class TrajectoryLog:
         self._db.execute("PRAGMA busy_timeout=0")  # never sleep on the loop: _write_soon retries instead
         self._db.execute("PRAGMA wal_autocheckpoint=0")
         self._db.execute(f"PRAGMA journal_size_limit={JOURNAL_LIMIT}")  # a restarted WAL is cut back to this
-        self.intents = IntentJournal(path.with_name(path.name + ".intents"))
-        self._recover_intents()
         self._wal = f"{path}-wal"
-        # (upto, loop, fsync): fsync the WAL for writes up to `upto` (or only checkpoint if not `fsync`)
-        self._sync_queue: queue.SimpleQueue[tuple[int, asyncio.AbstractEventLoop, bool] | None] = queue.SimpleQueue()
+        self.intents = IntentJournal(path.with_name(path.name + ".intents"))
+        self._recover_journal()
+        # results journaled (durable) but not yet in SQLite: (sandbox_id, seq) -> row; reads look here first
+        self._pending: dict[tuple[str, int], tuple] = {}
+        self._batch_delay = settings.LOG_BATCH_MS.get() / 1000
+        self._batch_timer: asyncio.TimerHandle | None = None
+        self._rows_written = 0  # rows written to SQLite (checkpoints follow them)
+        # (upto, loop, fsync): fsync the journal for records up to `upto` (or, not `fsync`, checkpoint SQLite)
+        self._sync_queue: queue.SimpleQueue[tuple[int, asyncio.AbstractEventLoop | None, bool] | None] = (
+            queue.SimpleQueue()
+        )
         self._aio: WalSync | None = None
         self._aio_tried = False
         self._aio_loop: asyncio.AbstractEventLoop | None = None
         self._aio_inflight = 0  # the write number the submitted fdatasync covers (0: none in flight)
         self._checkpoint_asked = 0
-        self._written = 0  # writes committed to the WAL so far
+        self._written = 0  # records written to the journal so far
         self._synced = 0  # of them, how many an fsync has covered
         self._sync_requested = 0
         self._flush_scheduled = False
@@ -182,16 +194,20 @@ class TrajectoryLog:
         self.commits = 0  # fsyncs (each covers every write before it)
         self.appended = 0
         self.checkpoints = 0  # checkpoints after which the WAL started over
+        self.batches = 0  # transactions that wrote journaled results to SQLite
 
-    def _recover_intents(self) -> None:
-        """Steps that were running when a node stopped: their intents become their rows (a re-issue raises),
-        unless a result row superseded them or their sandbox's log was pruned since; then the journal
-        starts over. Without an fsync, as the intents themselves (the next step's fsync covers them)."""
-        rows = self.intents.recover()
-        if rows:
-            insert = ("INSERT OR IGNORE INTO steps SELECT ?,?,?,?,?,?,?,?,?,? "
-                      "WHERE EXISTS (SELECT 1 FROM sandboxes WHERE id=?)")  # fmt: skip
-            self._commit(self._db, [(insert, (*row, row[0])) for row in rows if len(row) == 10])
+    def _recover_journal(self) -> None:
+        """Replay what a node that stopped left in the journal into SQLite, in the order written: results
+        (acknowledged: they may not have reached SQLite) replace their rows; the intents of steps that were
+        running become their rows (a re-issue raises), unless a result superseded them; steps of a sandbox
+        whose log was pruned since are dropped; sandboxes opened and closed are applied. Then the WAL is
+        fsynced (the replayed results must stay durable once the journal starts over) and the journal starts
+        over."""
+        statements = [_replayed(record) for record in self.intents.recover()]
+        statements = [statement for statement in statements if statement is not None]
+        if statements:
+            self._commit(self._db, statements)
+            _fdatasync(self._wal)
         self.intents.open()
 
     def _connect(self) -> sqlite3.Connection:
@@ -203,17 +219,48 @@ class TrajectoryLog:
 
     # ---------------------------------------------------------------- writes (durable when awaited)
 
-    async def _submit(self, sql: str, params: tuple, fsync: bool = True) -> None:
-        """Write one row and return once it is committed: written to the WAL (it survives the node process
-        dying) and, with `fsync`, flushed to the disk (it survives the machine dying too)."""
+    async def _submit(self, sql: str, params: tuple, record: tuple, fsync: bool = True) -> None:
+        """Write one row to SQLite and `record` to the journal; return once it is written (it survives the
+        node process dying) and, with `fsync`, the journal's fsync covers it (it survives the machine dying)."""
         try:
             await self._write_soon([(sql, params)])
+            self._journal(record)
             if fsync:
                 # no shield (one loop pass fewer): a cancelled caller cancels only its future, while the
-                # fsync it asked for still runs and still covers the row
+                # fsync it asked for still runs and still covers the record
                 await self._durable(self._written)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             raise self._error(exc) from exc
+
+    def _journal(self, record: tuple, intent: bool = False) -> None:
+        """One record into the journal (not synced: `_durable` waits for the fsync that covers it); starts the
+        journal over first if it is full. OSError if the disk refused it even after the reserve was given up."""
+        if self.intents.offset > intents_module.ROTATE_BYTES:
+            self._rotate()
+        write = self.intents.add if intent else self.intents.write
+        try:
+            write(record)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or not self._release_reserve():
+                raise
+            write(record)  # with the reserve's space
+        self._written += 1
+
+    def _rotate(self, sync: bool = False) -> None:
+        """Start the journal over: every result into SQLite, the WAL fsynced (on the loop: once per
+        ROTATE_BYTES of records, thousands of steps), then a new epoch holding only the running intents. If
+        the checkpoint holds SQLite's lock, the journal grows past ROTATE_BYTES until the next record.
+        `sync`: the new epoch is fsynced at once (after a prune: else a power cut before the next step's
+        fsync would replay the old epoch, bringing the pruned sandboxes back until the next prune)."""
+        if not self._flush():
+            return
+        try:
+            _fdatasync(self._wal)
+            self.intents.rotate()
+            if sync:
+                os.fdatasync(self.intents.fd)
+        except OSError as exc:
+            log.warning("could not start the journal %s over (it keeps growing): %s", self.intents.path, exc)
 
     def _error(self, exc: sqlite3.Error | OSError) -> Exception:
         if "full" in str(exc) or getattr(exc, "errno", None) == errno.ENOSPC:
@@ -243,8 +290,56 @@ class TrajectoryLog:
             if "full" not in str(exc) or not self._release_reserve():
                 raise
             self._commit(self._db, statements)  # with the reserve's space
-        self._written += 1
+        self._rows_written += 1
         self.appended += 1
+
+    def _schedule_flush(self) -> None:
+        if self._batch_timer is None:
+            self._batch_timer = asyncio.get_running_loop().call_later(self._batch_delay, self._flush_later)
+        elif len(self._pending) >= BATCH_ROWS:
+            self._batch_timer.cancel()
+            self._flush_later()
+
+    def _flush_later(self) -> None:
+        self._batch_timer = None
+        if not self._flush() and self._pending:  # the checkpoint held the lock, or the disk refused: later
+            self._schedule_flush()
+
+    def _flush(self) -> bool:
+        """Write the journaled results to SQLite in one transaction (no fsync: the journal holds them durably
+        until it starts over, which fsyncs the WAL first). False if they could not be written now (they stay
+        in the journal and in memory, where reads find them)."""
+        if not self._pending:
+            return True
+        rows = list(self._pending.values())
+        try:
+            self._commit_many(rows)
+        except sqlite3.OperationalError as exc:
+            if "full" in str(exc) and self._release_reserve():
+                return self._flush()
+            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY:
+                log.warning("could not write %d steps to %s (kept in its journal): %s", len(rows), self.path, exc)
+            return False
+        for row in rows:
+            if self._pending.get((row[0], row[1])) is row:
+                del self._pending[(row[0], row[1])]
+        self.batches += 1
+        self._rows_written += len(rows)
+        if self._rows_written - self._checkpoint_asked >= CHECKPOINT_WRITES:
+            self._checkpoint_asked = self._rows_written  # the thread checkpoints (and checks the reserve)
+            self._sync_queue.put((0, None, False))
+        return True
+
+    def _commit_many(self, rows: list[tuple]) -> None:
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.executemany("INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
 
     def _durable(self, upto: int, alone: bool = False) -> asyncio.Future:
         """A future done once an fsync of the WAL covers write number `upto`. `alone`: the row is the result
@@ -270,7 +365,7 @@ class TrajectoryLog:
             return
         if not self._aio_tried:
             self._aio_tried = True
-            self._aio = WalSync.open(self._wal)
+            self._aio = WalSync.open(str(self.intents.path))
             if self._aio is not None:
                 self._aio_loop = loop
                 loop.add_reader(self._aio.eventfd, self._aio_done)
@@ -297,27 +392,23 @@ class TrajectoryLog:
         if res is None or not self._aio_inflight:
             return
         upto, self._aio_inflight = self._aio_inflight, 0
-        failure = None if res == 0 else OSError(-res, f"fdatasync {self._wal}: {os.strerror(-res)}")
+        failure = None if res == 0 else OSError(-res, f"fdatasync {self.intents.path}: {os.strerror(-res)}")
         if failure is None:
             self.commits += 1
         self._settle(upto, failure)
         if self._waiters and not self._aio_inflight and self._written > upto:
             self._aio_submit()
-        if upto - self._checkpoint_asked >= CHECKPOINT_WRITES and self._aio_loop is not None:
-            self._checkpoint_asked = upto  # the thread checkpoints (and checks the reserve), off the loop
-            self._sync_queue.put((upto, self._aio_loop, False))
 
     def _sync_forever(self) -> None:
         checkpointer = self._connect()
         # the RESTART checkpoint waits this long at most for readers (a `sqlite3` shell left open on the file)
         # while it holds the write lock the loop's steps wait for; then it gives up until the next one
         checkpointer.execute("PRAGMA busy_timeout=100")
-        checkpointed = 0
         while True:
             item = self._sync_queue.get()
             if item is None:
                 break
-            upto, loop, fsync = item
+            syncs, checkpoint = ([item], False) if item[2] else ([], True)
             while True:  # a burst of requests: one fsync covers them all
                 try:
                     more = self._sync_queue.get_nowait()
@@ -326,29 +417,30 @@ class TrajectoryLog:
                 if more is None:
                     self._sync_queue.put(None)
                     break
-                upto, fsync = max(upto, more[0]), fsync or more[2]
+                if more[2]:
+                    syncs.append(more)
+                else:
+                    checkpoint = True
+            if checkpoint:  # asked for after CHECKPOINT_WRITES rows reached SQLite; nobody waits for it
+                try:
+                    self.checkpoints += _checkpoint(checkpointer)
+                except Exception as exc:
+                    log.warning("checkpoint of %s failed: %s", self.path, exc)
+            if self.reserve_bytes > 0 and time.monotonic() - self._reserve_checked > 10:
+                self._reserve_checked = time.monotonic()
+                self._ensure_reserve()
+            if not syncs:
+                continue
+            upto = max(upto for upto, _, _ in syncs)
+            loop = syncs[-1][1]
             failure: BaseException | None = None
             try:
-                if fsync:
-                    fd = os.open(self._wal, os.O_RDONLY | os.O_CLOEXEC)
-                    try:
-                        os.fdatasync(fd)  # as SQLite syncs: the data and the size, not the mtime
-                    finally:
-                        os.close(fd)
-                    self.commits += 1
-                if upto - checkpointed >= CHECKPOINT_WRITES:
-                    self.checkpoints += _checkpoint(checkpointer)
-                    checkpointed = upto
-                if self.reserve_bytes > 0 and time.monotonic() - self._reserve_checked > 10:
-                    self._reserve_checked = time.monotonic()
-                    self._ensure_reserve()
+                _fdatasync(self.intents.path)  # the data (and a size that does not change), not the mtime
+                self.commits += 1
             except BaseException as exc:  # report to every waiter; the node keeps running
                 failure = exc
-            if not fsync:  # a checkpoint the AIO path asked for: nobody waits for it
-                if failure is not None:
-                    log.warning("checkpoint of %s failed: %s", self.path, failure)
-                continue
             try:
+                assert loop is not None
                 loop.call_soon_threadsafe(self._settle, upto, failure)
             except RuntimeError:  # the loop is closed: nobody waits any more
                 pass
@@ -390,14 +482,20 @@ class TrajectoryLog:
         error: tuple[str, str] | None,
         started_at: float,
     ) -> None:
-        row = (sandbox_id, seq, op, key, _encode(args), _encode(result), *(error or (None, None)), started_at)
+        running = self.intents.running
+        intent = running.get((sandbox_id, seq))
+        # the intent's encoded arguments, not a second encoding (they are the same arguments: Recorder.step)
+        encoded = intent[4] if intent is not None and intent[3] == key else _encode(args)
+        row = (sandbox_id, seq, op, key, encoded, _encode(result), *(error or (None, None)), started_at, time.time())
         try:
-            await self._write_soon([("INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?,?,?,?)", (*row, time.time()))])
-            running = self.intents.running
-            alone = len(running) == 1 and (sandbox_id, seq) in running
-            self.intents.done(sandbox_id, seq)  # superseded (a restarted node skips an intent whose row exists)
+            self._journal(row)
+            alone = len(running) == 1 and intent is not None
+            running.pop((sandbox_id, seq), None)  # superseded (replayed after it, the result replaces it)
+            self._pending[(sandbox_id, seq)] = row
+            self.appended += 1
+            self._schedule_flush()
             await self._durable(self._written, alone)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             raise self._error(exc) from exc
 
     async def begin(
@@ -414,14 +512,9 @@ class TrajectoryLog:
         )
         row = (sandbox_id, seq, op, key, _encode(args), _encode(None), "ShoalError", message, started_at, None)
         try:
-            self.intents.add(row)
+            self._journal(row, intent=True)
         except OSError as exc:
-            if exc.errno != errno.ENOSPC or not self._release_reserve():
-                raise self._error(exc) from exc
-            try:
-                self.intents.add(row)  # with the reserve's space
-            except OSError as again:
-                raise self._error(again) from again
+            raise self._error(exc) from exc
 
     async def open_sandbox(self, sandbox_id: str, trajectory: str | None, image: str, spec: Any) -> None:
         """Log a new sandbox (a create or a warm-pool claim answers after this).
@@ -430,25 +523,34 @@ class TrajectoryLog:
         (a restarted node finds the trajectory and re-adopts the sandbox). A machine that dies takes the
         sandbox with it; what it then loses is only this row if no step of the sandbox was logged since,
         because the fsync of any later row covers every row before it in the WAL. Its fsync cost a claim
-        more than the rest of it (issue 12: 0.2 ms on a quiet disk, tens of ms on a busy one)."""
+        more than the rest of it (issue 12: 0.2 ms on a quiet disk, tens of ms on a busy one). The row goes to
+        the journal too, as the next fsync's to cover (SQLite's WAL is not fsynced per write)."""
+        row = (sandbox_id, trajectory, image, _encode(spec), time.time())
         await self._submit(
             "INSERT OR REPLACE INTO sandboxes (id, trajectory, image, spec, created_at) VALUES (?,?,?,?,?)",
-            (sandbox_id, trajectory, image, _encode(spec), time.time()),
+            row,
+            ("sandbox", *row),
             fsync=False,
         )
 
     async def close_sandbox(self, sandbox_id: str, status: str, reason: str) -> None:
+        closed_at = time.time()
         await self._submit(
             "UPDATE sandboxes SET closed_at=?, status=?, reason=? WHERE id=? AND status='live'",
-            (time.time(), status, reason, sandbox_id),
+            (closed_at, status, reason, sandbox_id),
+            ("closed", sandbox_id, closed_at, status, reason),
         )
 
     async def prune(self, closed_before: float) -> None:
         """Forget the logs of sandboxes that ended before `closed_before` (live ones are always kept).
 
-        A few sandboxes per transaction, yielding between them: the writes run on the event loop."""
+        A few sandboxes per transaction, yielding between them: the writes run on the event loop. Then the
+        journal starts over, so that a node restarted later does not bring pruned sandboxes back from it."""
         ended = "SELECT id FROM sandboxes WHERE status != 'live' AND closed_at < ? LIMIT 16"
+        pruned = False
+        self._flush()
         while ids := [row[0] for row in self._db.execute(ended, (closed_before,))]:
+            pruned = True
             marks = ",".join("?" * len(ids))
             try:
                 await self._write_soon([(f"DELETE FROM steps WHERE sandbox_id IN ({marks})", tuple(ids)),
@@ -456,6 +558,8 @@ class TrajectoryLog:
             except sqlite3.Error as exc:
                 raise self._error(exc) from exc
             await asyncio.sleep(0)
+        if pruned:
+            self._rotate(sync=True)
 
     def _ensure_reserve(self) -> None:
         """(Re)allocate the reserve file if it is missing and the disk has room for it and as much again."""
@@ -504,6 +608,10 @@ class TrajectoryLog:
             raise
 
     def close(self) -> None:
+        if self._batch_timer is not None:
+            self._batch_timer.cancel()
+            self._batch_timer = None
+        self._flush()  # else the next start replays them from the journal
         self._sync_queue.put(None)
         self._syncer.join(timeout=10)
         if self._aio is not None:
@@ -518,20 +626,26 @@ class TrajectoryLog:
     # ---------------------------------------------------------------- reads
 
     def get(self, sandbox_id: str, seq: int) -> Step | None:
-        row = self._reader.execute("SELECT * FROM steps WHERE sandbox_id=? AND seq=?", (sandbox_id, seq)).fetchone()
+        row = self._pending.get((sandbox_id, seq))
         if row is None:
-            row = self.intents.running.get((sandbox_id, seq))
+            row = self._reader.execute(
+                "SELECT * FROM steps WHERE sandbox_id=? AND seq=?", (sandbox_id, seq)
+            ).fetchone() or self.intents.running.get((sandbox_id, seq))
         return None if row is None else _step(row)
 
     def next_seq(self, sandbox_id: str) -> int:
         row = self._reader.execute("SELECT MAX(seq) FROM steps WHERE sandbox_id=?", (sandbox_id,)).fetchone()
-        running = [seq for sid, seq in self.intents.running if sid == sandbox_id]
-        last = max([*running, *([row[0]] if row[0] is not None else [])], default=None)
+        kept = [seq for sid, seq in (*self.intents.running, *self._pending) if sid == sandbox_id]
+        last = max([*kept, *([row[0]] if row[0] is not None else [])], default=None)
         return 0 if last is None else last + 1
 
     def steps(self, sandbox_id: str, since: int = 0) -> Iterator[Step]:
-        """The steps of a sandbox from `since` in order: the table's rows and the running steps' intents."""
-        running = sorted(row for (sid, seq), row in self.intents.running.items() if sid == sandbox_id and seq >= since)
+        """The steps of a sandbox from `since` in order: the table's rows, the results not yet in it and the
+        running steps' intents."""
+        self._flush()  # most often all in the table then (a listing, not a step's path)
+        kept = {key: row for key, row in self.intents.running.items() if key[0] == sandbox_id and key[1] >= since}
+        kept.update((key, row) for key, row in self._pending.items() if key[0] == sandbox_id and key[1] >= since)
+        running = sorted(kept.values(), key=lambda row: row[1])
         cursor = self._reader.execute(
             "SELECT * FROM steps WHERE sandbox_id=? AND seq>=? ORDER BY seq", (sandbox_id, since)
         )
@@ -554,6 +668,31 @@ class TrajectoryLog:
             "SELECT * FROM sandboxes WHERE trajectory=? ORDER BY created_at DESC LIMIT 1", (trajectory,)
         ).fetchone()
         return None if row is None else _sandbox_row(row)
+
+
+def _replayed(record: tuple) -> tuple[str, tuple] | None:
+    """The SQLite statement that applies a journal record (intents.py) at a node's start."""
+    if len(record) == 10:  # a step: its result, or the intent of a step that was running
+        verb = "INSERT OR IGNORE" if record[9] is None else "INSERT OR REPLACE"
+        return (f"{verb} INTO steps SELECT ?,?,?,?,?,?,?,?,?,? WHERE EXISTS (SELECT 1 FROM sandboxes WHERE id=?)",
+                (*record, record[0]))  # fmt: skip
+    if len(record) == 6 and record[0] == "sandbox":  # as open_sandbox wrote it (a later close record follows it)
+        return ("INSERT OR REPLACE INTO sandboxes (id, trajectory, image, spec, created_at) VALUES (?,?,?,?,?)",
+                record[1:])  # fmt: skip
+    if len(record) == 5 and record[0] == "closed":
+        _, sandbox_id, closed_at, status, reason = record
+        return ("UPDATE sandboxes SET closed_at=?, status=?, reason=? WHERE id=? AND status='live'",
+                (closed_at, status, reason, sandbox_id))  # fmt: skip
+    log.warning("skipped a journal record of unknown shape (%d fields)", len(record))
+    return None
+
+
+def _fdatasync(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
 
 
 def _checkpoint(db: sqlite3.Connection) -> bool:
