@@ -6,7 +6,7 @@
  * oci.py describes, doing only the kernel's part per create.
  *
  * Protocol (a SOCK_SEQPACKET socketpair on fd 3; one message per request, NUL-separated "key=value" fields):
- *   node -> launcher: "op=init" with agent=, nofile=, caps=<hex mask>, capmax=, bpf=<hex>, mask=<path>...,
+ *   node -> launcher: "op=init" with agent=, empty=<an empty directory>, nofile=, caps=<hex mask>, capmax=, bpf=<hex>, mask=<path>...,
  *                     ro=<path>..., cg=<hierarchy dir>..., dev=<devices.allow line>...
  *                     "op=create" with id=, rootfs=, overlay=, log=, pidfile=, cgroup=<relative path>, mem=, pids=,
  *                     shares=, quota=, period=, hostname=, tmpfs=<path>...; the agent's listening socket rides along
@@ -52,6 +52,7 @@
 
 static struct {
     char agent[4096];
+    char empty[4096]; /* an empty directory of the node's: masked directories are read-only binds of it */
     long nofile;
     uint64_t caps;
     int capmax;
@@ -143,6 +144,8 @@ static void make_link(const char *root, const char *target, const char *name) {
     if (symlink(target, path) < 0) fail("symlink", path);
 }
 
+static int empty_fd = -1; /* a detached read-only bind of conf.empty (child, until the first masked directory) */
+
 static void mask_path(const char *root, const char *p) {
     char path[4096];
     struct stat st;
@@ -152,16 +155,24 @@ static void mask_path(const char *root, const char *p) {
         fail("stat", path);
     }
     if (S_ISDIR(st.st_mode)) {
-        /* one empty read-only tmpfs for all of the sandbox's masked directories, bound onto the others. Why
-         * (issue 12): every superblock on the host has memcg-aware LRU lists, and removing a memory cgroup
-         * (each destroy) walks all of them (memcg_reparent_list_lrus: 25 % of the machine's CPU at 3,000
-         * live sandboxes, in kworkers); a tmpfs per masked directory was 4 of a sandbox's 11 superblocks */
+        /* one empty read-only directory for all of the sandbox's masked directories: a bind of the node's
+         * empty directory (else one tmpfs), bound onto the others. Why (issue 12): every superblock on the
+         * host has memcg-aware LRU lists, and removing a memory cgroup (each destroy) walks all of them
+         * (memcg_reparent_list_lrus, under the cgroup mutex the next create's mkdir waits for: the largest
+         * cost at 3,000 live sandboxes); a tmpfs per masked directory was 4 of a sandbox's 11 superblocks,
+         * one tmpfs shared by them 1 of 8, a bind of an existing directory none */
         static char first[4096];
         if (first[0] && mount(first, path, NULL, MS_BIND, NULL) == 0) {
             if (mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY, NULL) < 0) fail("mask ro", path);
             return;
         }
-        if (mount("tmpfs", path, "tmpfs", MS_RDONLY, "size=0k") < 0) fail("mask", path);
+        if (empty_fd >= 0) {
+            if (move_mount(empty_fd, "", AT_FDCWD, path, MOVE_MOUNT_F_EMPTY_PATH) < 0) fail("mask", path);
+            close(empty_fd);
+            empty_fd = -1;
+        } else if (mount("tmpfs", path, "tmpfs", MS_RDONLY, "size=0k") < 0) {
+            fail("mask", path);
+        }
         snprintf(first, sizeof first, "%s", path);
     } else {
         if (mount("/dev/null", path, NULL, MS_BIND, NULL) < 0) fail("mask", path);
@@ -234,6 +245,13 @@ static void child(const struct request *r, int sync_fd, int listen_fd, int log_f
     if (agent_fd < 0) fail("open_tree", conf.agent);
     struct mount_attr attr = {.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV};
     if (mount_setattr(agent_fd, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0) fail("mount_setattr", conf.agent);
+    if (conf.empty[0]) { /* the masks' directory, taken before the host's tree is out of reach; read-only as
+                          * crun's masking tmpfs (relatime: its options, whatever the node's filesystem has) */
+        empty_fd = open_tree(AT_FDCWD, conf.empty, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+        if (empty_fd < 0) fail("open_tree", conf.empty);
+        struct mount_attr ro = {.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_RELATIME, .attr_clr = MOUNT_ATTR__ATIME};
+        if (mount_setattr(empty_fd, "", AT_EMPTY_PATH, &ro, sizeof ro) < 0) fail("mount_setattr", conf.empty);
+    }
     /* pivot_root first, so that every path made or mounted on from here is resolved inside the sandbox's own
      * root: a symlink the image planted (/dev -> /etc, /.shoal -> /root) leads nowhere outside it (the host's
      * root is detached), where before the pivot it would lead into the host's tree */
@@ -382,6 +400,16 @@ static int make_parent(const char *rel_parent) {
     return 0;
 }
 
+/* Whether the sandbox joins its parent's cpuset instead of one of its own. Why (issue 12): a sandbox's cpuset
+ * would hold the parent's cpus and mems, nothing else, and each one costs the kernel a walk of all its
+ * siblings when made (cpuset_css_online, with clone_children) and when removed (validate_change, then a
+ * rebuild of the scheduler domains over every cpuset, under the cgroup mutex that the next create's mkdir
+ * waits for): ~5 % of the machine at 3,000 live sandboxes. The limits that differ per sandbox (memory, pids,
+ * cpu shares and quota, devices, freezer) stay in cgroups of its own; crun makes a cpuset per container. */
+static int in_parent_cpuset(const char *hierarchy, const char *cgroup) {
+    return strcmp(base_name(hierarchy), "cpuset") == 0 && strchr(cgroup, '/') != NULL;
+}
+
 static int write_devices(const char *dir) {
     if (write_file(dir, "devices.deny", "a") < 0) return -1;
     char path[4300];
@@ -412,6 +440,7 @@ static const char *make_cgroup(const struct request *r) {
     if (cut && strcmp(ready_parent, rel_parent) && make_parent(rel_parent) < 0) goto failed;
     for (int i = 0; i < conf.ncg; i++) {
         const char *h = conf.cg[i], *name = base_name(h);
+        if (in_parent_cpuset(h, r->cgroup)) continue; /* made by make_parent */
         snprintf(dir, sizeof dir, "%s/%s", h, r->cgroup);
         if (mkdir(dir, 0755) < 0) {
             /* the parent went (removed while no sandbox was in it): make it again */
@@ -452,6 +481,7 @@ static const char *join_cgroup(const struct request *r, pid_t pid) {
     snprintf(text, sizeof text, "%d", pid);
     for (int i = 0; i < conf.ncg; i++) {
         snprintf(dir, sizeof dir, "%s/%s", conf.cg[i], r->cgroup);
+        if (in_parent_cpuset(conf.cg[i], r->cgroup)) *strrchr(dir, '/') = 0;
         if (write_file(dir, "cgroup.procs", text) < 0) {
             snprintf(why, sizeof why, "joining cgroup %s: %s", dir, strerror(errno));
             return why;
@@ -695,6 +725,7 @@ static void reaped(pid_t pid) {
         char dir[4200];
         const char *failed = NULL;
         for (int i = 0; i < conf.ncg; i++) {
+            if (in_parent_cpuset(conf.cg[i], sb->cgroup)) continue;
             snprintf(dir, sizeof dir, "%s/%s", conf.cg[i], sb->cgroup);
             if (rmdir(dir) < 0 && errno != ENOENT) failed = conf.cg[i];
         }
@@ -754,6 +785,7 @@ static int init(char **fields, int nfields) {
         if (!v) continue;
         *v++ = 0;
         if (!strcmp(k, "agent")) snprintf(conf.agent, sizeof conf.agent, "%s", v);
+        else if (!strcmp(k, "empty")) snprintf(conf.empty, sizeof conf.empty, "%s", v);
         else if (!strcmp(k, "nofile")) conf.nofile = atol(v);
         else if (!strcmp(k, "caps")) conf.caps = strtoull(v, NULL, 16);
         else if (!strcmp(k, "capmax")) conf.capmax = atoi(v);

@@ -17,8 +17,9 @@ loopback up in advance; a create places it in the sandbox's cgroup before it run
 takes its mount namespace then (the host's mounts as they are at that create). At thousands of live
 sandboxes the kernel's per-create work grows with their number (a sysfs superblock lookup, pivot_root's
 walk of every task, the cpu bandwidth check, a memory cgroup's removal walking every superblock's LRU
-lists): the launcher reaps by pid, writes the cfs period only if it differs from the kernel's default, and
-gives a sandbox's masked directories one tmpfs between them.
+lists): the launcher reaps by pid, writes the cfs period only if it differs from the kernel's default,
+binds one empty directory of the node's read-only onto a sandbox's masked directories (no superblock of
+their own) and lets sandboxes share their parent's cpuset.
 
 The launcher is the init's parent and reaps it; it exits when the node's end of the socket closes, and
 the sandboxes it made keep running (a restarted node re-adopts them from record.json and their cgroup).
@@ -97,7 +98,7 @@ def hierarchies() -> list[str]:
     return list(found.values())
 
 
-def _init_fields(agent_binary: str) -> list[tuple[str, str]]:
+def _init_fields(agent_binary: str, empty: Path) -> list[tuple[str, str]]:
     bpf = seccomp_bpf_base64()
     assert bpf is not None  # check_host refused otherwise
     caps = 0
@@ -106,6 +107,7 @@ def _init_fields(agent_binary: str) -> list[tuple[str, str]]:
     capmax = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     fields = [
         ("agent", agent_binary),
+        ("empty", str(empty)),
         ("nofile", str(min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))),
         ("caps", f"{caps:x}"),
         ("capmax", str(capmax)),
@@ -198,7 +200,9 @@ class Launcher:
             self._sock, self._pid = node_end, pid
             asyncio.get_running_loop().add_reader(node_end.fileno(), self._readable)
             self._tasks.spawn(self._reap(pid, node_end), name="reap the launcher")
-            answer = await self._send("init", _init_fields(self.agent_binary))
+            empty = self.log_path.parent / "masked"  # an empty directory, bound read-only onto masked ones
+            empty.mkdir(mode=0o555, exist_ok=True)
+            answer = await self._send("init", _init_fields(self.agent_binary, empty))
             status, rest = await asyncio.wait_for(answer, CREATE_TIMEOUT_S)
             if status != "ok":
                 self._lost(f"it refused its settings: {rest}")
