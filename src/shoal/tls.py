@@ -28,10 +28,13 @@ SCHEME_TLS = "shoals://"
 SCHEME_PLAIN = "shoal://"
 
 
+_LOOPBACK = frozenset(("localhost", "127.0.0.1", "::1"))
+
+
 def is_loopback(host: str) -> bool:
     """Is `host` (an address or name) on the loopback interface? Names are resolved; unresolvable is not."""
     host = host.strip("[]")
-    if host == "localhost":
+    if host in _LOOPBACK:  # the common peers, without parsing an address per request
         return True
     try:
         return ipaddress.ip_address(host.split("%")[0]).is_loopback

@@ -244,6 +244,12 @@ def to_jupyter_response(raw: Any) -> dict[str, Any]:
 
 
 Call = Callable[[web.Request, dict[str, Any]], Awaitable[Any]]  # (request, fn_run_code args) -> its answer
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+def _json(answer: dict[str, Any]) -> web.Response:
+    return web.Response(body=_encode(answer), content_type="application/json")
 
 
 def routes(
@@ -259,9 +265,9 @@ def routes(
         async def handle(request: web.Request) -> web.Response:
             try:
                 authenticate(request)
-                try:
-                    body = await request.json()
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                try:  # msgspec, not aiohttp's json: a snippet's request and answer are most of the node's JSON
+                    body = _decode(await request.read())
+                except msgspec.DecodeError as exc:
                     raise FusionRequestError(f"the body is not JSON: {exc}") from None
                 if not isinstance(body, dict):
                     raise FusionRequestError(f"the body is a JSON object (SandboxFusion's {shape})")
@@ -271,8 +277,8 @@ def routes(
             except Exception as exc:  # shoal could not run it: SandboxFusion's SandboxError, with the cause
                 if not isinstance(exc, ShoalError):
                     return error(exc)
-                return web.json_response(sandbox_error(f"{type(exc).__name__}: {exc}"))
-            return web.json_response(result)
+                return _json(sandbox_error(f"{type(exc).__name__}: {exc}"))
+            return _json(result)
 
         return handle
 

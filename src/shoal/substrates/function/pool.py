@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import socket
 import struct
@@ -19,6 +18,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from shoal import settings
 from shoal.errors import ImageError, SandboxLostError
@@ -36,6 +37,10 @@ INPUT_BYTES_PER_S = 20 << 20  # the worker writes a call's inputs before its fir
 RECYCLE_AFTER = 10_000  # calls; a fresh worker now and then bounds whatever slowly accumulates
 _LEN = struct.Struct(">I")
 _SOURCE = Path(__file__).with_name("worker.py")
+# msgspec rather than json: the request and the reply of every call cross here (the worker, under the
+# image's python without shoal, speaks plain JSON with json.dumps and json.loads)
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ class Worker:
             self.limits = limits
         request["join"] = self.join_all if limits.cpu else self.join_no_cpu
         request["pids"] = limits.pids
-        body = json.dumps(request, separators=(",", ":")).encode()
+        body = _encode(request)
         self.calls += 1
         killed = False
         if kill_after is not None:
@@ -98,14 +103,18 @@ class Worker:
         try:
             self.writer.write(_LEN.pack(len(body)) + body)
             reading = asyncio.ensure_future(self._read())
-            try:
+            try:  # asyncio.wait, not wait_for(shield(...)): one future and one timer per call fewer
                 if kill_after is not None and kill_after < budget_s:
                     done, _ = await asyncio.wait({reading}, timeout=kill_after)
                     if not done:
                         killed = True
                         await self._empty_call_cgroup()
                         budget_s -= kill_after
-                reply = await asyncio.wait_for(asyncio.shield(reading), budget_s)
+                if not reading.done():
+                    await asyncio.wait({reading}, timeout=budget_s)
+                if not reading.done():
+                    raise TimeoutError(f"no answer within {budget_s:.0f} s")
+                reply = reading.result()
             finally:
                 if not reading.done():
                     reading.cancel()
@@ -139,7 +148,7 @@ class Worker:
 
     async def _read(self) -> dict[str, Any]:
         (length,) = _LEN.unpack(await self.reader.readexactly(4))
-        return json.loads(await self.reader.readexactly(length))
+        return _decode(await self.reader.readexactly(length))
 
     async def _abort(self) -> None:
         """The caller went away mid-call: stop the call, read its (discarded) reply, keep the worker usable."""

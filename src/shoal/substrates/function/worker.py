@@ -38,6 +38,7 @@ import time
 import traceback
 
 WRITABLE = ("/work", "/tmp", "/var/tmp", "/dev/shm")
+TMPFS: frozenset[str] = frozenset()  # which of them are tmpfs mount points (main() fills it in)
 CLOSE_TO_CALLS = ("/run/lock", "/dev/mqueue", "/var/lock")
 RESULT_FD = 3
 GO_ON_FD = 4  # a batch's shared child: reads a byte here after each item's result (the worker cut its output)
@@ -135,13 +136,45 @@ def prepare_dirs(uid: int, gid: int) -> None:
             pass
 
 
-def wipe() -> None:
-    """Remove everything a call wrote (every writable root is emptied)."""
+def tmpfs_roots() -> frozenset[str]:
+    """The writable roots that are tmpfs mount points (the node mounts one on each but /dev/shm, which is one)."""
+    found = set()
+    try:
+        with open("/proc/self/mountinfo", "rb") as handle:
+            for line in handle:
+                fields = line.split()
+                fstype = fields[fields.index(b"-") + 1]
+                point = fields[4].decode()
+                if fstype == b"tmpfs" and point in WRITABLE:
+                    found.add(point)
+                elif point in found:  # mounted over since: not (only) that tmpfs any more
+                    found.discard(point)
+    except (OSError, ValueError, IndexError):
+        return frozenset()
+    return frozenset(found)
+
+
+def wipe(empty: dict[str, int] | None = None) -> None:
+    """Remove everything a call wrote (every writable root is emptied).
+
+    `empty`: for roots that are tmpfs mount points, a directory's size when it has no entries. tmpfs counts
+    every entry in its directory's size (BOGO_DIRENT_SIZE each, whatever makes it: create, mkdir, link,
+    symlink, rename, whiteout), so a root still at that size holds nothing, and one stat replaces opening,
+    listing and closing it; a root at any other size is listed and emptied as before. Filled in here the
+    first time a root is seen empty."""
     for root in WRITABLE:
+        if empty is not None and root in empty:
+            try:
+                if os.stat(root).st_size == empty[root]:
+                    continue
+            except FileNotFoundError:
+                continue
         try:
             entries = list(os.scandir(root))
         except FileNotFoundError:
             continue
+        if not entries and empty is not None and root in TMPFS:
+            empty[root] = os.stat(root).st_size
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
                 rmtree(entry.path)
@@ -200,6 +233,8 @@ def _read_table(kind: str, fd: int) -> bytes:
     while chunk := os.pread(fd, 1 << 16, offset):
         chunks.append(chunk)
         offset += len(chunk)
+        if len(chunk) < 1 << 15:  # a seq_file read returns every row that fits: a short one is the end
+            break
     return b"".join(chunks)
 
 
@@ -244,12 +279,20 @@ def write_inputs(files: dict[str, dict], cwd: str, uid: int, gid: int) -> None:
         if entry.get("dir"):
             makedirs(full, uid, gid)
             continue
-        makedirs(os.path.dirname(full), uid, gid)
-        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, entry.get("mode", 0o644))
+        if os.path.dirname(full) != cwd:
+            makedirs(os.path.dirname(full), uid, gid)
+        mode = entry.get("mode", 0o644)
+        try:  # a new file (the usual case) has its mode from open() when the umask (022) takes nothing away
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+            chmod = mode != mode & 0o0755
+        except FileExistsError:  # named twice (a/../b and b): the last one wins, mode included
+            fd = os.open(full, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+            chmod = True
         try:
             os.write(fd, unb64(entry.get("data")))
             os.fchown(fd, uid, gid)
-            os.fchmod(fd, entry.get("mode", 0o644))
+            if chmod:  # after fchown, which clears the set-id bits
+                os.fchmod(fd, mode)
         finally:
             os.close(fd)
 
@@ -381,6 +424,7 @@ class Worker:
         self.join: list[int] = []  # which of them this request's children join
         self.devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         self.sysv = open_sysv()
+        self.empty: dict[str, int] = {}  # tmpfs roots' size when empty (see wipe)
         self.environ: dict = dict(os.environ)  # what os.environ holds now
         self.fork = os.fork  # main() sets call_fork(...) once the modules are imported
 
@@ -699,7 +743,7 @@ class Worker:
     def clean(self) -> None:
         """Nothing a call started, wrote or made survives it: processes, writable dirs, SysV IPC."""
         kill_stragglers(self)
-        wipe()
+        wipe(self.empty)
         remove_sysv_ipc(self.uid, self.gid, self.sysv)
 
 
@@ -1000,6 +1044,8 @@ def main() -> None:
     gc.freeze()  # children never scan (and so never copy) the pages of what is imported now
     release_free_memory()
     prepare_dirs(uid, gid)
+    global TMPFS  # noqa: PLW0603 - set once, before any call
+    TMPFS = tmpfs_roots()
     # what every call's child gets, set once here and inherited (each call made in the child cost it
     # page faults): no core dumps, files up to MAX_FILE (the worker's own writes stay far below), umask 022
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
