@@ -5,11 +5,13 @@ gateway over two nodes (docs/E2B.md)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime
 import hashlib
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -172,6 +174,106 @@ def test_a_start_the_fast_path_does_not_take_gets_connectrpcs_answer(
     error = json.loads(data[5:])["error"]
     # connectrpc's verdict on these bytes (before: "unary request has zero messages", it was given none)
     assert error["code"] != "unimplemented" and "zero messages" not in error.get("message", ""), error
+
+
+class _SharedFile:
+    """One buffered reader for every response on a socket (http.client reads each response from it, and
+    closes it after each)."""
+
+    def __init__(self, file) -> None:
+        self.file = file
+
+    def makefile(self, *_args, **_kwargs):
+        return self
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+    def close(self) -> None:
+        pass
+
+
+def _start_pieces(sandbox_id: str, token: str, cmd: str) -> list[bytes]:
+    """A Start as the SDK sends it: the head, the one envelope as a chunk, the chunked terminator apart."""
+    message = json.dumps({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", cmd]}, "stdin": False}).encode()
+    envelope = b"\0" + len(message).to_bytes(4, "big") + message
+    head = (
+        "POST /process.Process/Start HTTP/1.1\r\nHost: e2b\r\nContent-Type: application/connect+json\r\n"
+        f"Connect-Protocol-Version: 1\r\nE2b-Sandbox-Id: {sandbox_id}\r\nX-Access-Token: {token}\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    ).encode()
+    return [head, b"%x\r\n%b\r\n" % (len(envelope), envelope), b"0\r\n\r\n"]
+
+
+def _stdout_of_start(data: bytes) -> str:
+    out, ended = b"", False
+    while data:
+        flags, size = data[0], int.from_bytes(data[1:5], "big")
+        message, data = json.loads(data[5 : 5 + size]), data[5 + size :]
+        if flags == 2:
+            assert "error" not in message, message
+            ended = True
+        elif "data" in message["event"]:
+            out += base64.b64decode(message["event"]["data"].get("stdout", ""))
+    assert ended
+    return out.decode()
+
+
+def test_a_kept_connection_mixes_starts_answered_by_front_with_aiohttps_requests(
+    sbx: Sandbox, e2b_env: dict[str, str]
+) -> None:
+    """e2b/front.py answers a connection's Starts itself once the connection's key was accepted (by aiohttp,
+    which answers its first request), hands every other request to aiohttp byte for byte (a chunked upload
+    whose chunk lines arrive split), and answers pipelined requests in order."""
+    url = urllib.parse.urlsplit(e2b_env["E2B_SANDBOX_URL"])
+    token, sid = e2b_env["E2B_API_KEY"], sbx.sandbox_id
+    sock = socket.create_connection((url.hostname, url.port), timeout=60)
+    reader = _SharedFile(sock.makefile("rb"))
+
+    def answer() -> tuple[http.client.HTTPResponse, bytes]:
+        response = http.client.HTTPResponse(reader)  # type: ignore[arg-type]
+        response.begin()
+        return response, response.read()
+
+    try:
+        for cmd, by_aiohttp in (("echo one", True), ("echo two", False)):
+            for piece in _start_pieces(sid, token, cmd):
+                sock.sendall(piece)
+                time.sleep(0.01)
+            response, data = answer()
+            assert response.status == 200 and _stdout_of_start(data) == cmd[5:] + "\n"
+            assert ("aiohttp" in (response.getheader("Server") or "")) is by_aiohttp, response.getheaders()
+        payload = os.urandom(3000)
+        upload = (
+            f"POST /files?path=/tmp/front.bin HTTP/1.1\r\nHost: e2b\r\nE2b-Sandbox-Id: {sid}\r\n"
+            f"X-Access-Token: {token}\r\nContent-Type: application/octet-stream\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n"
+        ).encode() + b"".join(b"%x;ext=1\r\n%b\r\n" % (len(p), p) for p in (payload[:1000], payload[1000:]))
+        upload += b"0\r\nX-Trailer: t\r\n\r\n"
+        for i in range(0, len(upload), 777):  # chunk-size lines and CRLFs split across sends
+            sock.sendall(upload[i : i + 777])
+            time.sleep(0.005)
+        response, data = answer()
+        assert response.status == 200 and json.loads(data)[0]["path"] == "/tmp/front.bin", data
+        for piece in _start_pieces(sid, token, "sha256sum < /tmp/front.bin | cut -c1-64"):
+            sock.sendall(piece)
+        _, data = answer()
+        assert _stdout_of_start(data) == hashlib.sha256(payload).hexdigest() + "\n"
+        # pipelined: a request aiohttp answers, then two Starts, in one send: three answers, in order
+        health = f"GET /health HTTP/1.1\r\nHost: e2b\r\nE2b-Sandbox-Id: {sid}\r\nX-Access-Token: {token}\r\n\r\n"
+        sock.sendall(
+            health.encode()
+            + b"".join(_start_pieces(sid, token, "echo p1"))
+            + b"".join(_start_pieces(sid, token, "echo p2"))
+        )
+        assert answer()[0].status == 204
+        assert _stdout_of_start(answer()[1]) == "p1\n"
+        assert _stdout_of_start(answer()[1]) == "p2\n"
+        for piece in _start_pieces(sid, token, "echo after"):  # the connection still serves
+            sock.sendall(piece)
+        assert _stdout_of_start(answer()[1]) == "after\n"
+    finally:
+        sock.close()
 
 
 def test_commands_streaming_callbacks(sbx: Sandbox) -> None:

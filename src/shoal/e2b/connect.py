@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import struct
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -32,7 +33,7 @@ _END_OK = struct.pack(">BI", 2, 2) + b"{}"  # end-of-stream message without an e
 MAX_START_BYTES = 4 << 20  # connectrpc's default read_max_bytes: a larger Start is its to refuse
 
 
-class _Context:
+class Context:
     """What `ProcessService.start` reads of connectrpc's RequestContext."""
 
     __slots__ = ("request_headers", "timeout_ms")
@@ -87,22 +88,36 @@ async def serve_start(service: ProcessService, request: web.Request) -> tuple[we
         return None, body
     response = _Streaming(status=200, headers={"Content-Type": CONTENT_TYPE})
     await response.prepare(request)
+    try:
+        end = await run_start(service, message, Context(headers, timeout_ms), response.write)
+    except ConnectionError:  # the client went away (the events were closed: the command goes on, detached)
+        return response, b""
+    with contextlib.suppress(ConnectionError):  # the client went away as the stream ended
+        await response.write_eof(end)
+    return response, b""
+
+
+async def run_start(
+    service: ProcessService, message: process_pb.StartRequest, ctx: Context, write: Callable[[bytes], Awaitable[Any]]
+) -> bytes:
+    """Run Start, each event but the last framed and given to `write` as it comes; returns what ends the
+    stream (the end event's frame, if any, and the end-of-stream message, with the error if there was one),
+    for the caller to send with the stream's end in one write. ConnectionError from `write`: the client went
+    away (the events are closed; the command goes on, detached)."""
     end = b""
     try:
-        async with contextlib.aclosing(service.start(message, _Context(headers, timeout_ms))) as events:
+        async with contextlib.aclosing(service.start(message, ctx)) as events:
             async for event in events:
                 if _is_end(event):
                     end = _frame(event)  # written with the end-of-stream message
                 else:
-                    await response.write(_frame(event))
-    except ConnectionError:  # the client went away (the events were closed: the command goes on, detached)
-        return response, b""
+                    await write(_frame(event))
+    except ConnectionError:
+        raise
     except ConnectError as exc:
         end += _end_error(exc)
     except Exception as exc:  # noqa: BLE001 - ends the stream with the error, as connectrpc does
         end += _end_error(connect_error(exc))
     else:
         end += _END_OK
-    with contextlib.suppress(ConnectionError):  # the client went away as the stream ended
-        await response.write_eof(end)
-    return response, b""
+    return end

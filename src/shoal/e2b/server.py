@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import email.message
+import functools
 import posixpath
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,6 +31,7 @@ from shoal.e2b.asgi import call_asgi
 from shoal.e2b.backend import Backend, Target
 from shoal.e2b.connect import serve_start
 from shoal.e2b.envd import FilesystemService, Processes, ProcessService
+from shoal.e2b.front import INFLIGHT, FrontProtocol
 from shoal.errors import AuthenticationError, InvalidRequestError, NotFoundError
 
 SHUTDOWN_GRACE_S = 5.0  # at a stop, how long requests still in flight may run on
@@ -68,8 +70,19 @@ class E2BServer:
         one without a key or with a refused one does not (the handler answers it as before). A connection's
         later requests with the key it was accepted with go straight on (its peer and so the plaintext
         verdict do not change; the key is checked again by every call it makes)."""
+        try:
+            return await self._admitted(request, handler, request.transport)
+        finally:
+            # one request fewer that aiohttp answers on this connection (front.py counts them in): front.py
+            # answers nothing of its own on a connection while one is (a pipelining client), responses in order
+            count = getattr(request.transport, INFLIGHT, 0)
+            if count:
+                setattr(request.transport, INFLIGHT, count - 1)
+
+    async def _admitted(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[Any]], transport: Any
+    ) -> Any:
         token = request.headers.get("X-Access-Token") or api_key(request)
-        transport = request.transport
         if token and getattr(transport, "_e2b_key", None) == token:
             return await handler(request)
         if token and not request.secure:  # the same plaintext policy as every port (shoal/tls.py)
@@ -190,14 +203,17 @@ async def start(target: Target, listen: str, addr_file: Any = None) -> Callable[
     host, port = parse_hostport(listen)
     # shutdown_timeout: a request still in flight (a body never finished, a long stream) gets this long at a
     # SIGTERM, not aiohttp's 60 s, so a stopping gateway or node exits promptly
-    runner = web.AppRunner(E2BServer(target).app(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    server = E2BServer(target)
+    runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
+    # each connection is front.py's: commands.run's Start answered without aiohttp, the rest by aiohttp
+    front = functools.partial(FrontProtocol, server.process_service, runner.server)
     # through netguard like every other port: per-peer caps, and a connection that shows no accepted key
     # within SHOAL_AUTH_TIMEOUT_S is closed (aiohttp alone held an idle or slowly dripping one for ever)
     # TLS with the node's or gateway's certificate (SHOAL_TLS_CERT/KEY), like their other ports: E2B API keys
     # are shoal tokens
     ssl = tls.server_context()
-    listener = await netguard.serve_tcp(None, host, port, name="e2b", protocol_factory=runner.server, ssl=ssl)
+    listener = await netguard.serve_tcp(None, host, port, name="e2b", protocol_factory=front, ssl=ssl)
     bound = listener.sockets[0].getsockname()
     if addr_file:
         write_address(addr_file, bound[0], bound[1])
