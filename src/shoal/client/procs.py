@@ -183,8 +183,14 @@ async def start_streaming(
     `stream` do, without a second request per command (the E2B layer's Start, issue 13)."""
     queue: asyncio.Queue[Any] = asyncio.Queue()
     call_args = {**args, "stream": True} if timeout is None else {**args, "stream": True, "timeout": timeout}
-    task = asyncio.ensure_future(sandbox._step("proc_start", call_args, on_event=queue.put_nowait))
-    task.add_done_callback(lambda _t: queue.put_nowait(None))
+
+    async def call() -> Any:
+        try:
+            return await sandbox._step("proc_start", call_args, on_event=queue.put_nowait)
+        finally:  # the end, from the task itself: a done callback would wake the reader one loop pass later
+            queue.put_nowait(None)
+
+    task = asyncio.ensure_future(call())
     proc: AsyncProcess | None = None
     try:
         while (item := await _next(queue, idle if proc is not None else None)) is not None:

@@ -227,7 +227,8 @@ class FrontProtocol(asyncio.Protocol):
         self._collect: tuple[bytearray, _Body, bytearray, dict[str, str]] | None = None  # raw, body, payload, headers
         self._paused = False
         self._drained: asyncio.Future | None = None
-        self._idle: asyncio.TimerHandle | None = None
+        self._idle: asyncio.TimerHandle | None = None  # one timer per connection, not one per request
+        self._active = False  # bytes came since the idle timer was set
         self._pending = b""  # bytes for aiohttp held back while a Start here still answers
 
     # -- asyncio.Protocol
@@ -239,9 +240,7 @@ class FrontProtocol(asyncio.Protocol):
         if self._passthrough:
             self._inner.data_received(data)
             return
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
+        self._active = True
         self._buf += data
         try:
             self._pump()
@@ -448,10 +447,17 @@ class FrontProtocol(asyncio.Protocol):
                 self._pump()
             except (FramingError, ValueError):
                 self._give_up()
-        if self._fast is None and self._inner is None and self._transport is not None:
+        if self._idle is None and self._fast is None and self._transport is not None:
+            self._active = False
             self._idle = asyncio.get_running_loop().call_later(IDLE_CLOSE_S, self._close_idle)
 
     def _close_idle(self) -> None:
+        """Close a connection nothing came on for IDLE_CLOSE_S (one aiohttp answers has aiohttp's own timer)."""
         self._idle = None
-        if self._fast is None and self._inner is None and self._transport is not None:
-            self._transport.close()
+        if self._passthrough or self._transport is None:
+            return
+        if self._active or self._fast is not None or self._inner is not None:
+            self._active = False
+            self._idle = asyncio.get_running_loop().call_later(IDLE_CLOSE_S, self._close_idle)
+            return
+        self._transport.close()
