@@ -132,7 +132,7 @@ SANDBOXES_CPU_WEIGHT: Setting[float] = _declare(
     "CPU weight of all sandboxes together, in busy host processes; 0: one per CPU of the host.",
 )  # fmt: skip
 LOG_BATCH_MS: Setting[float] = _declare(
-    "SHOAL_LOG_BATCH_MS", float, 20.0, NODE,
+    "SHOAL_LOG_BATCH_MS", float, 50.0, NODE,
     "Milliseconds a logged step's result waits in the durable journal before joining a batch written to "
     "the trajectory log's SQLite database (reads see it meanwhile).",
 )  # fmt: skip
