@@ -7,9 +7,10 @@ meet the same load.
 BEFORE_SRC / AFTER_SRC are `src` directories of two checkouts (`git archive <commit> src | tar -x -C /tmp/b`;
 AFTER_SRC defaults to this tree's). Per node, per round: the E2B SDK's `commands.run("true")` through the API
 in that node, and shoal's native streamed exec of the same argv (what the layer's cost is measured against),
-`n` times each, the four rows taking turns op by op.
-Prints p50/p99 and node CPU-ms per op (utime+stime of the node process from /proc) per variant, and the
-layer's cost (E2B row minus native row) per variant with the 2 ms target.
+`n` times each, and the same through that tree's own `shoal e2b serve` (a client of that node), the six
+rows taking turns op by op.
+Prints p50/p99 and CPU-ms per op (utime+stime from /proc: of the node process, and of the serve process for
+the serve rows) per variant, and the layer's cost (E2B row minus native row) per variant with the 2 ms target.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from _common import cpu_seconds, pct  # noqa: E402
 
 import shoal  # noqa: E402
 from shoal.cluster.local import LocalCluster  # noqa: E402
+from shoal.e2b.local import LocalE2B  # noqa: E402
 
 SDK_ARGV = ["/bin/bash", "-l", "-c", "true"]  # what e2b's commands.run("true") asks envd to start
 TARGET_MS = 2.0
@@ -42,11 +44,16 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench-e2b-ab-"))
     saved = os.environ.get("PYTHONPATH")
     clusters: dict[str, LocalCluster] = {}
+    serves: dict[str, LocalE2B] = {}
     try:
         os.environ["SHOAL_E2B"] = "127.0.0.1:0"
         for name, src in (("before", args.before), ("after", args.after)):
             os.environ["PYTHONPATH"] = src  # the node process runs this tree
             clusters[name] = LocalCluster(workdir / name, nodes=1, prefix=f"ab{name[0]}")
+        os.environ.pop("SHOAL_E2B", None)
+        for name, src in (("before", args.before), ("after", args.after)):
+            os.environ["PYTHONPATH"] = src  # and so does its `shoal e2b serve`
+            serves[name] = LocalE2B(f"shoal://{clusters[name].nodes[0].address}", workdir, f"e2b-{name}")
     finally:
         os.environ.pop("SHOAL_E2B", None)
         os.environ.pop("PYTHONPATH") if saved is None else os.environ.update(PYTHONPATH=saved)
@@ -60,14 +67,19 @@ def main() -> None:
             token = lc.project_tokens["default"]
             url = "http://" + (lc.nodes[0].home / "node.e2b").read_text().strip()
             sbx = Sandbox.create(template="base", timeout=900, api_url=url, sandbox_url=url, api_key=token)
+            served = serves[name].url
+            sbx_serve = Sandbox.create(template="base", timeout=900, api_url=served, sandbox_url=served, api_key=token)
             client = shoal.Client(f"shoal://{lc.nodes[0].address}", token=token)
             native = client.create(image="debian", ttl_s=900)
             handles.append((sbx, client, native))
+            handles.append((sbx_serve, None, None))
             rows[f"{name:<6} e2b commands.run('true')"] = sbx.commands.run
+            rows[f"{name:<6} e2b via shoal e2b serve"] = sbx_serve.commands.run
             rows[f"{name:<6} native exec(bash -l -c true, streamed)"] = lambda n=native: n.exec(
                 SDK_ARGV, on_stdout=print
             )
             pids[f"{name:<6} e2b commands.run('true')"] = lc.nodes[0].pid
+            pids[f"{name:<6} e2b via shoal e2b serve"] = serves[name].proc.pid  # the serve process's CPU
             pids[f"{name:<6} native exec(bash -l -c true, streamed)"] = lc.nodes[0].pid
         times: dict[str, list[float]] = {k: [] for k in rows}
         cpu: dict[str, list[float]] = {k: [] for k in rows}
@@ -91,7 +103,10 @@ def main() -> None:
                     times[f"{name:<6} native exec(bash -l -c true, streamed)"],
                 )
                 extra = statistics.median(e2b[-args.n :]) - statistics.median(native[-args.n :])
-                layer.append(f"{name} {extra * 1e3:+.2f} ms")
+                served = statistics.median(times[f"{name:<6} e2b via shoal e2b serve"][-args.n :])
+                layer.append(
+                    f"{name} {extra * 1e3:+.2f} (serve {(served - statistics.median(native[-args.n :])) * 1e3:+.2f}) ms"
+                )
             print(
                 f"round {r + 1}/{args.rounds}: load {os.getloadavg()[0]:.1f}; layer p50 {', '.join(layer)}", flush=True
             )
@@ -101,7 +116,8 @@ def main() -> None:
             per_round = " ".join(f"{c:.2f}" for c in cpu[key])
             print(
                 f"  {key:<46} p50 {p50[key]:7.2f} ms  p99 {pct(times[key], 0.99) * 1e3:7.2f} ms"
-                f"  node CPU-ms/op {statistics.mean(cpu[key]):5.2f} (rounds: {per_round})"
+                f"  {'serve' if 'serve' in key else 'node'} CPU-ms/op {statistics.mean(cpu[key]):5.2f}"
+                f" (rounds: {per_round})"
             )
         for name in clusters:
             e2b, native = f"{name:<6} e2b commands.run('true')", f"{name:<6} native exec(bash -l -c true, streamed)"
@@ -111,11 +127,17 @@ def main() -> None:
             print(
                 f"  -> {name}: the layer in the node adds {extra:+.2f} ms p50 ({verdict}), {extra_cpu:+.2f} node CPU-ms"
             )
+            served = p50[f"{name:<6} e2b via shoal e2b serve"] - p50[native]
+            verdict = "met" if served <= TARGET_MS else "not met"
+            print(f"  -> {name}: through `shoal e2b serve` it adds {served:+.2f} ms p50 ({verdict})")
         for sbx, client, native in handles:
             sbx.kill()
-            native.close()
-            client.close()
+            if native is not None:
+                native.close()
+                client.close()
     finally:
+        for server in serves.values():
+            server.stop()
         for lc in clusters.values():
             lc.stop()
 
