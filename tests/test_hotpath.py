@@ -389,6 +389,32 @@ async def test_results_only_in_the_journal_are_replayed_after_rotations(tmp_path
     db.close()
 
 
+def test_a_journal_of_the_layout_before_is_replayed_then_replaced(tmp_path: Path) -> None:
+    """A node upgraded while a step ran: the intents file it left (length-prefixed msgpack, no header) is read,
+    its intents become rows, and the journal starts over in the pre-zeroed, CRC'd layout."""
+    import struct
+
+    import msgspec
+
+    from shoal.node import intents
+
+    path = tmp_path / "trajectory.db"
+    log = TrajectoryLog(path, reserve_bytes=0)
+    asyncio.run(log.open_sandbox("s", None, "busybox", {}))
+    log.close()
+    encode = msgspec.msgpack.encode
+    row = ("s", 0, "exec", "k", encode({"cmd": ["true"]}), encode(None), "ShoalError", "running when the node stopped",
+           0.0, None)  # fmt: skip
+    body = encode(list(row))
+    (tmp_path / "trajectory.db.intents").write_bytes(struct.pack("<I", len(body)) + body)
+    log = TrajectoryLog(path, reserve_bytes=0)
+    try:
+        assert "running when the node stopped" in log.get("s", 0).error and log.next_seq("s") == 1
+        assert (tmp_path / "trajectory.db.intents").read_bytes()[:8] == intents.MAGIC
+    finally:
+        log.close()
+
+
 async def test_a_reader_left_open_does_not_hold_up_the_steps(tmp_path: Path) -> None:
     """A read transaction left open on the file (a `sqlite3` shell) keeps the RESTART checkpoint from
     finishing: it gives up (busy_timeout 100 ms) and the steps go on, the WAL growing until the reader ends;
