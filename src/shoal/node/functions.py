@@ -209,7 +209,7 @@ class FunctionService:
             await agent.write_file(f"{WORKER_DIR}/lib/{relative}", data, mode=0o600)
         dirs = await asyncio.to_thread(call_limits.call_dirs, sandbox.instance.cgroup_path)
         env = {**sandbox.env, "SHOAL_FN_PATH": f"{WORKER_DIR}/lib"}
-        argv = ["python3", f"{WORKER_DIR}/worker.py", SOCKET, str(CALL_UID), str(CALL_GID), *key.modules]
+        argv = ["python3", "-c", BOOT, f"{WORKER_DIR}/worker.py", SOCKET, str(CALL_UID), str(CALL_GID), *key.modules]
         process = await agent.exec(argv, env=env, cwd="/", cap_bytes=1 << 16)
         ready = await asyncio.wait_for(_ready_line(process, key.image), 60)
         loop = asyncio.get_running_loop()
@@ -675,6 +675,14 @@ class FunctionService:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+# How a worker starts: worker.py imported as a module, not run as python3's script. Run as the script
+# (__main__) it held 8.4 MB of anonymous memory after start-up, imported 6.0 MB (python3.11 on Debian 12,
+# the same modules, after gc.collect and malloc_trim), and every call's fork copies, and its child's exit
+# tears down, the page tables of all of it (~0.09 ms per MB here). The path is the first argument (taken off
+# before main() reads the rest), so the process still names worker.py.
+BOOT = "import sys; path = sys.argv.pop(1); sys.path[0] = path.rpartition('/')[0]; import worker; worker.main()"
 
 
 def _pool_name(key: WorkerKey) -> str:
