@@ -9,6 +9,7 @@ Rows (sequential, one at a time, on one node over TCP with a token, the E2B serv
   `exec("true")` for reference.
 - the same through the E2B API served inside the node process (SHOAL_E2B): no extra process on the path,
   and no socket between the API and the node's dispatcher (cluster/inproc.py).
+- the same through `shoal e2b serve --handoff` (its port handed to the node, which answers on it).
 - create -> run `true` -> kill.
 CPU-ms per op are the client process's and the E2B server's (from /proc), so the layer's own cost shows.
 The machine is shared: compare rows within one run, not across runs. The command rows run in rounds; each
@@ -113,6 +114,8 @@ def main() -> None:
         token = lc.project_tokens["default"]
         address = f"shoal://{lc.nodes[0].address}"
         server = LocalE2B(address, workdir)
+        # the same server with its port handed to the node (`shoal e2b serve --handoff`)
+        handed = LocalE2B(None, workdir, "e2b-handoff", handoff=lc.nodes[0].home / "e2b.handoff")
         os.environ.update(server.env(token))
         from e2b import Sandbox
 
@@ -126,6 +129,7 @@ def main() -> None:
             sbx = Sandbox.create(template="base", timeout=600)
             in_node = "http://" + (lc.nodes[0].home / "node.e2b").read_text().strip()
             sbx_in = Sandbox.create(template="base", timeout=600, api_url=in_node, sandbox_url=in_node)
+            sbx_ho = Sandbox.create(template="base", timeout=600, api_url=handed.url, sandbox_url=handed.url)
             try:
                 p50 = measure(
                     {
@@ -135,6 +139,7 @@ def main() -> None:
                         "native  background bash -l -c true, streamed": lambda: background(native),
                         "e2b     sbx.commands.run('true')": lambda: sbx.commands.run("true"),
                         "e2b     (served in the node) same": lambda: sbx_in.commands.run("true"),
+                        "e2b     (serve --handoff: the node) same": lambda: sbx_ho.commands.run("true"),
                     },
                     args.runs,
                     pid,
@@ -143,17 +148,23 @@ def main() -> None:
                     {
                         "serve": ("e2b     sbx.commands.run('true')", "native  sb.exec(bash -l -c true, streamed)"),
                         "in-node": ("e2b     (served in the node) same", "native  sb.exec(bash -l -c true, streamed)"),
+                        "handoff": (
+                            "e2b     (serve --handoff: the node) same",
+                            "native  sb.exec(bash -l -c true, streamed)",
+                        ),
                     },
                 )
             finally:
                 native.close()
                 sbx.kill()
                 sbx_in.kill()
+                sbx_ho.kill()
             base = p50["native  sb.exec(bash -l -c true, streamed)"]
             print(f"  -> the E2B layer's cost per command over that streamed exec (target <= {TARGET_MS:g} ms p50):")
             for label, row in (
                 ("via `shoal e2b serve` (own process)", "e2b     sbx.commands.run('true')"),
                 ("served inside the node (SHOAL_E2B)", "e2b     (served in the node) same"),
+                ("`shoal e2b serve --handoff`", "e2b     (serve --handoff: the node) same"),
             ):
                 extra = p50[row] - base
                 print(f"     {label:<38} {extra:+5.2f} ms p50 of all ops  {'met' if extra <= TARGET_MS else 'not met'}")
@@ -182,6 +193,7 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
+            handed.stop()
         lc.stop()
 
 

@@ -54,6 +54,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalClu
         gateway = lc.add_gateway("--e2b", "127.0.0.1:0")  # and so does the gateway
         servers["node"] = LocalE2B(f"shoal://{lc.nodes[0].address}", workdir, "e2b-node")
         servers["gateway"] = LocalE2B(f"shoal://{gateway.address}", workdir, "e2b-gateway")
+        # `shoal e2b serve --handoff`: its port handed to the node, which answers every request itself
+        servers["handoff"] = LocalE2B(None, workdir, "e2b-handoff", handoff=lc.nodes[0].home / "e2b.handoff")
         lc.hosted = {  # type: ignore[attr-defined]
             "in-node": "http://" + (lc.nodes[0].home / "node.e2b").read_text().strip(),
             "in-gateway": "http://" + Path(str(gateway.addr_file) + ".e2b").read_text().strip(),
@@ -67,7 +69,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalClu
         assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
 
 
-@pytest.fixture(params=["node", "gateway"])
+@pytest.fixture(params=["node", "gateway", "handoff"])
 def e2b_env(request: pytest.FixtureRequest, cluster, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY set to the server in front of a node or of a gateway."""
     lc, servers = cluster
@@ -274,6 +276,34 @@ def test_a_kept_connection_mixes_starts_answered_by_front_with_aiohttps_requests
         assert _stdout_of_start(answer()[1]) == "after\n"
     finally:
         sock.close()
+
+
+def test_a_handed_off_port_is_the_nodes_until_its_serve_stops(cluster, tmp_path: Path) -> None:
+    """`shoal e2b serve --handoff` hands its listening socket to the node: the node answers on it (commands
+    run with no serve process on their path), and the port closes when that process stops, though the
+    node has started processes since (the launcher) that must not have inherited it."""
+    lc, _ = cluster
+    server = LocalE2B(None, tmp_path, "e2b-handoff-stop", handoff=lc.nodes[0].home / "e2b.handoff")
+    url = urllib.parse.urlsplit(server.url)
+    try:
+        sandbox = Sandbox.create(
+            template="base", timeout=120, api_url=server.url, sandbox_url=server.url, api_key=lc.project_tokens["alice"]
+        )
+        try:
+            assert sandbox.commands.run("echo handed").stdout == "handed\n"
+        finally:
+            sandbox.kill()
+    finally:
+        server.stop()
+
+    def refused() -> bool:  # the node closes it once it sees the hand-off connection end
+        try:
+            socket.create_connection((url.hostname, url.port), timeout=10).close()
+        except ConnectionRefusedError:
+            return True
+        return False
+
+    wait_for(refused, timeout=30)
 
 
 def test_commands_streaming_callbacks(sbx: Sandbox) -> None:

@@ -101,17 +101,24 @@ async def serve_network(server: NodeServer, paths: Any, stop: asyncio.Event) -> 
 
         closers.append(close_tcp)
     e2b_where = E2B.get()
-    if e2b_where:
-        if not where:
-            raise NodeError("SHOAL_E2B is set but SHOAL_TCP is not: E2B's API is served over the node's TCP protocol")
+    if e2b_where and not where:
+        raise NodeError("SHOAL_E2B is set but SHOAL_TCP is not: E2B's API is served over the node's TCP protocol")
+    if where:
         from shoal.cluster.inproc import connector
-        from shoal.e2b.server import default_target, own_address, start
+        from shoal.e2b.server import Target, default_target, own_address, serve_handoffs, start
 
         host, port = tcp.sockets[0].getsockname()[:2]
         address = own_address(host, port)  # what the API names (URLs it hands out); its requests skip the socket
         projects = server.projects  # type: ignore[attr-defined] - set by listen()
         target = default_target(address, connector(server, lambda: ProjectSession(projects), address))
-        closers.append(await start(target, e2b_where, paths.home / "node.e2b"))
+        if e2b_where:
+            closers.append(await start(target, e2b_where, paths.home / "node.e2b"))
+        # `shoal e2b serve --handoff` on this host hands its port over: served here, with its template map
+        closers.append(
+            await serve_handoffs(
+                lambda templates: Target(address, templates, target.connector), paths.home / "e2b.handoff"
+            )
+        )
     http_where = HTTP.get()
     if http_where:
         from shoal.cluster.http import serve_node_http

@@ -11,12 +11,15 @@ from shoal.errors import NodeError
 
 
 class LocalE2B:
-    def __init__(self, target: str | None, workdir: Path, name: str = "e2b") -> None:
+    def __init__(self, target: str | None, workdir: Path, name: str = "e2b", handoff: Path | None = None) -> None:
+        """`handoff`: a node's e2b.handoff socket: the server hands its port to that node (server.handoff)."""
         addr_file = workdir / f"{name}.addr"
         addr_file.unlink(missing_ok=True)
         argv = [sys.executable, "-m", "shoal.e2b", "--listen", "127.0.0.1:0", "--addr-file", str(addr_file)]
         if target:
             argv += ["--target", target]
+        if handoff:
+            argv += ["--handoff", str(handoff)]
         self.log_path = workdir / f"{name}.log"
         self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL)

@@ -14,9 +14,15 @@ from __future__ import annotations
 import asyncio
 import email.message
 import functools
+import json
+import logging
+import os
 import posixpath
 import signal
+import socket
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -34,6 +40,7 @@ from shoal.e2b.envd import FilesystemService, Processes, ProcessService
 from shoal.e2b.front import INFLIGHT, FrontProtocol
 from shoal.errors import AuthenticationError, InvalidRequestError, NotFoundError
 
+log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # at a stop, how long requests still in flight may run on
 
 
@@ -197,10 +204,12 @@ async def _chunks(read: Callable[[int], Awaitable[bytes]], size: int = 1 << 20) 
         yield chunk
 
 
-async def start(target: Target, listen: str, addr_file: Any = None) -> Callable[[], Awaitable[None]]:
-    """Serve on `listen` (port 0: any free one); write the bound host:port to `addr_file`; returns the closer.
-    Also used by a node (SHOAL_E2B) or a gateway (`--e2b`) to serve E2B's API in its own process."""
-    host, port = parse_hostport(listen)
+async def start(
+    target: Target, listen: str, addr_file: Any = None, sock: socket.socket | None = None
+) -> Callable[[], Awaitable[None]]:
+    """Serve on `listen` (port 0: any free one), or on `sock` (a listening socket handed over: see
+    serve_handoffs); write the bound host:port to `addr_file`; returns the closer. Also used by a node
+    (SHOAL_E2B) or a gateway (`--e2b`) to serve E2B's API in its own process."""
     # shutdown_timeout: a request still in flight (a body never finished, a long stream) gets this long at a
     # SIGTERM, not aiohttp's 60 s, so a stopping gateway or node exits promptly
     server = E2BServer(target)
@@ -213,7 +222,12 @@ async def start(target: Target, listen: str, addr_file: Any = None) -> Callable[
     # TLS with the node's or gateway's certificate (SHOAL_TLS_CERT/KEY), like their other ports: E2B API keys
     # are shoal tokens
     ssl = tls.server_context()
-    listener = await netguard.serve_tcp(None, host, port, name="e2b", protocol_factory=front, ssl=ssl)
+    if sock is None:
+        host, port = parse_hostport(listen)
+        listener = await netguard.serve_tcp(None, host, port, name="e2b", protocol_factory=front, ssl=ssl)
+    else:
+        sock.setblocking(False)
+        listener = netguard.Listener(None, sock, netguard.Limits.from_env(), "e2b", front, ssl)
     bound = listener.sockets[0].getsockname()
     if addr_file:
         write_address(addr_file, bound[0], bound[1])
@@ -224,6 +238,114 @@ async def start(target: Target, listen: str, addr_file: Any = None) -> Callable[
         await runner.cleanup()
 
     return close
+
+
+HANDOFF_MAX = 1 << 16  # bytes of a hand-off's message (its template map)
+
+
+async def serve_handoffs(make_target: Callable[[tuple], Target], path: Path) -> Callable[[], Awaitable[None]]:
+    """Take listening sockets handed over on the Unix socket `path` (mode 0600: the node's own user) by
+    `shoal e2b serve --handoff` on this host, and serve E2B's API on each from this process with
+    `make_target(templates)` (the node's in-process target): the requests then reach the node with no
+    `shoal e2b serve` process and no second socket on their path. Each is served until its hand-off
+    connection closes (that process stopped). Returns the closer."""
+    loop = asyncio.get_running_loop()
+    path.unlink(missing_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    listener.bind(str(path))
+    os.chmod(path, 0o600)
+    listener.listen(16)
+    listener.setblocking(False)
+    served: set[asyncio.Task] = set()
+
+    async def adopt(conn: socket.socket) -> None:
+        close = None
+        try:
+            readable = loop.create_future()
+            loop.add_reader(conn.fileno(), lambda: readable.done() or readable.set_result(None))
+            try:
+                await asyncio.wait_for(readable, 10)
+            finally:
+                loop.remove_reader(conn.fileno())
+            # close-on-exec as it arrives (socket.recv_fds drops its flags): processes the node starts later
+            # (the launcher) must not hold the port open after the hand-off ends
+            message, ancdata, _flags, _addr = conn.recvmsg(HANDOFF_MAX, socket.CMSG_LEN(4), socket.MSG_CMSG_CLOEXEC)
+            fds = [
+                int.from_bytes(data[i : i + 4], sys.byteorder)
+                for level, kind, data in ancdata
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+                for i in range(0, len(data) - len(data) % 4, 4)
+            ]
+            if len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                return
+            sock = socket.socket(fileno=fds[0])
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                sock.close()
+                return
+            templates = tuple(tuple(pair) for pair in json.loads(message or b"[]"))
+            close = await start(make_target(templates), "", None, sock)
+            await loop.sock_sendall(conn, b"1")
+            while await loop.sock_recv(conn, 256):  # until the serving process closes its end
+                pass
+        except (OSError, ValueError, TimeoutError) as exc:
+            log.warning("an E2B hand-off failed: %s", exc)
+        finally:
+            conn.close()
+            if close is not None:
+                await close()
+
+    async def accept() -> None:
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            conn.setblocking(False)
+            task = asyncio.create_task(adopt(conn))
+            served.add(task)
+            task.add_done_callback(served.discard)
+
+    accepting = asyncio.create_task(accept())
+
+    async def close() -> None:
+        accepting.cancel()
+        listener.close()
+        path.unlink(missing_ok=True)
+        for task in list(served):
+            task.cancel()
+        await asyncio.gather(accepting, *served, return_exceptions=True)
+
+    return close
+
+
+async def handoff(path: str, listen: str, templates: tuple, addr_file: str | None) -> None:
+    """`shoal e2b serve --handoff PATH`: bind `listen`, hand the listening socket to the node at PATH
+    (serve_handoffs), and hold it until SIGTERM/SIGINT; the node answers every request on it."""
+    host, port = parse_hostport(listen)
+    family, type_, proto, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, type_, proto)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(4096)
+        conn.connect(path)
+        socket.send_fds(conn, [json.dumps(list(templates)).encode()], [sock.fileno()])
+        loop = asyncio.get_running_loop()
+        conn.setblocking(False)
+        if await asyncio.wait_for(loop.sock_recv(conn, 1), 30) != b"1":
+            raise OSError(f"the node at {path} did not take the E2B port (see its log)")
+        bound = sock.getsockname()
+        if addr_file:
+            write_address(addr_file, bound[0], bound[1])
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        conn.close()
+        sock.close()
 
 
 async def serve(target: Target, listen: str, addr_file: str | None = None) -> None:
@@ -264,11 +386,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--template", action="append", default=[], metavar="NAME=IMAGE", help="map an E2B template to a shoal image"
     )
+    parser.add_argument(
+        "--handoff",
+        default=None,
+        metavar="PATH",
+        help="hand the port to the node on this host whose hand-off socket is PATH (its home's e2b.handoff; a node"
+        " with SHOAL_TCP): the node answers every request itself, this process only holds the port",
+    )
     args = parser.parse_args(argv)
     templates = dict(default_target("").templates)
     for item in args.template:
         name, _, image = item.partition("=")
         templates[name] = image
+    if args.handoff:
+        asyncio.run(handoff(args.handoff, args.listen, tuple(templates.items()), args.addr_file))
+        return 0
     asyncio.run(serve(Target(args.target, tuple(templates.items())), args.listen, args.addr_file))
     return 0
 
