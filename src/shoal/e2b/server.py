@@ -252,9 +252,18 @@ async def serve_handoffs(make_target: Callable[[tuple], Target], path: Path) -> 
     loop = asyncio.get_running_loop()
     path.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    listener.bind(str(path))
-    os.chmod(path, 0o600)
-    listener.listen(16)
+    try:
+        listener.bind(str(path))
+        os.chmod(path, 0o600)
+        listener.listen(16)
+    except OSError as exc:  # a home whose path is too long for a Unix socket: the node serves on without it
+        listener.close()
+        log.warning("no E2B hand-off socket at %s (%s): `shoal e2b serve --handoff` cannot reach this node", path, exc)
+
+        async def nothing() -> None:
+            pass
+
+        return nothing
     listener.setblocking(False)
     served: set[asyncio.Task] = set()
 
