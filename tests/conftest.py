@@ -107,7 +107,9 @@ def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dic
     for hierarchy in Path("/sys/fs/cgroup").iterdir():
         parent = hierarchy / cgroup_parent
         if parent.is_dir():
-            cgroup_dirs += [str(p) for p in parent.iterdir() if p.is_dir()]
+            # a running node's launcher keeps its next sandbox's init waiting in a cgroup of its own
+            # (launcher.c, spare_cgroup), removed as the launcher leaves: none once the node stopped
+            cgroup_dirs += [str(p) for p in parent.iterdir() if p.is_dir() and (node_stopped or not _is_spare(p))]
             if node_stopped:  # a node that stopped cleanly removes its own parent too
                 cgroup_dirs.append(str(parent))
     agents, helpers, vms = [], [], []
@@ -171,6 +173,12 @@ def sandbox_roots(home: Path, cgroup_parent: str) -> list[str]:
                 found.append(pid)
                 break
     return found
+
+
+def _is_spare(cgroup_dir: Path) -> bool:
+    """The cgroup of a running launcher's spare (`.spare-<launcher pid>-<n>`)."""
+    name = cgroup_dir.name
+    return name.startswith(".spare-") and Path(f"/proc/{name.split('-')[1]}").exists()
 
 
 def _parent_is_agent(proc: Path) -> bool:

@@ -111,6 +111,8 @@ def test_the_launcher_makes_the_next_sandbox_init_ahead_and_it_ends_with_the_lau
             kinds = ("pid_for_children", "net", "ipc", "uts")
             assert all(_ns(spare, k) != _ns(launcher_pid, k) for k in kinds)
             assert _ns(spare, "mnt") == _ns(launcher_pid, "mnt")  # made at the create, from the mounts then
+            # it waits in a cgroup made for the next sandbox (renamed to the sandbox's by the create)
+            _until(lambda: f"/{node.cgroup_parent}/.spare-{launcher_pid}-" in Path(f"/proc/{spare}/cgroup").read_text())
             # the image's layer was unmounted with the first sandbox and is mounted again after the spare was
             # made: the spare's mount namespace, made at the create, has it
             with (
@@ -159,6 +161,30 @@ def test_the_launcher_makes_the_next_sandbox_init_ahead_and_it_ends_with_the_lau
 
 def _ns(pid: int, kind: str) -> str:
     return os.readlink(f"/proc/{pid}/ns/{kind}")
+
+
+def test_each_sandbox_gets_its_own_limits_whatever_the_spare_was_made_with(
+    node: NodeProcess, client: shoal.Client
+) -> None:
+    """The spare waits in a cgroup with the last create's limits; a create of another shape takes it and
+    writes what differs (memory raised and lowered, pids unset, the cpu quota changed): the limits are those a
+    crun sandbox of the same shape gets."""
+    shapes = [
+        {"memory_mb": 64, "pids": 50, "cpu": 0.5},
+        {"memory_mb": 256, "cpu": 1.5},
+        {"memory_mb": 96, "pids": 70, "cpu": 0.25},
+        {"memory_mb": 64, "pids": 50, "cpu": 0.5},
+    ]
+    for shape in shapes:
+        with client.create(image="busybox", runtime="crun", pool=False, ttl_s=300, **shape) as crun:
+            want = _limits(node, crun.id)
+        time.sleep(0.2)  # the launcher makes its spare while it is idle
+        with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300, **shape) as own:
+            got = _limits(node, own.id)
+            assert own.exec("echo ok").stdout == "ok\n"
+        assert got == want | {"cpuset.cpus": "(none)", "cpuset.mems": "(none)",
+                              "hierarchies": want["hierarchies"].replace(" cpuset ", " ")}, shape  # fmt: skip
+    assert not no_leftovers(node.home, node.cgroup_parent)
 
 
 def test_pause_resume_and_close_leave_nothing(tmp_path: Path) -> None:

@@ -428,11 +428,67 @@ static int write_devices(const char *dir) {
     return 0;
 }
 
-/* Make the sandbox's cgroup in every hierarchy and write its limits (crun's, for the bundle oci.py makes);
- * on error, why */
+/* The limits a request gives its cgroup: what a spare's cgroup was made with (see spare_cgroup), so that a
+ * create writes only those that differ */
+struct limits {
+    char mem[32], pids[32], shares[32], quota[32], period[32];
+};
+
+static void limits_of(const struct request *r, struct limits *l) {
+    snprintf(l->mem, sizeof l->mem, "%s", r->mem);
+    snprintf(l->pids, sizeof l->pids, "%s", r->pids);
+    snprintf(l->shares, sizeof l->shares, "%s", r->shares);
+    snprintf(l->quota, sizeof l->quota, "%s", r->quota);
+    snprintf(l->period, sizeof l->period, "%s", r->period);
+}
+
+/* memory.limit_in_bytes never above memsw.limit_in_bytes: lowered first, raised second ("" = unlimited) */
+static int set_memory(const char *dir, const char *value) {
+    const char *v = value[0] ? value : "-1";
+    if (write_file(dir, "memory.limit_in_bytes", v) < 0) {
+        if (errno != EINVAL || write_file(dir, "memory.memsw.limit_in_bytes", v) < 0) return -1;
+        return write_file(dir, "memory.limit_in_bytes", v);
+    }
+    if (write_file(dir, "memory.memsw.limit_in_bytes", v) < 0 && errno != ENOENT) return -1;
+    return 0;
+}
+
+/* Write into `dir` (of hierarchy `h`) the limits of `now` (crun's, for the bundle oci.py makes) that differ from
+ * `was`: those a spare's cgroup was made with, or NULL for a new cgroup (the kernel's defaults) */
+static int limit_dir(const char *h, const char *dir, const struct limits *now, const struct limits *was) {
+    const char *name = base_name(h);
+    if (strcmp(name, "memory") == 0 && strcmp(now->mem, was ? was->mem : "")) {
+        if (set_memory(dir, now->mem) < 0) return -1;
+    } else if (strcmp(name, "pids") == 0 && strcmp(now->pids, was ? was->pids : "")) {
+        if (write_file(dir, "pids.max", now->pids[0] ? now->pids : "max") < 0) return -1;
+    } else if (strcmp(name, "cpu") == 0) {
+        if ((!was || strcmp(now->shares, was->shares)) && write_file(dir, "cpu.shares", now->shares) < 0) return -1;
+        if (now->quota[0]) {
+            /* each write of the period or the quota walks every cpu cgroup on the host (the kernel's
+             * bandwidth check, __cfs_schedulable): at 3,000 live sandboxes a write is a scan of 3,000.
+             * A new cgroup has the kernel's default period (100 ms, what the node asks): written only if
+             * it differs; a spare's cgroup has the last create's, mostly the same */
+            char current[32];
+            if (read_file(dir, "cpu.cfs_period_us", current, sizeof current) < 0 ||
+                strtol(current, NULL, 10) != atol(now->period))
+                if (write_file(dir, "cpu.cfs_period_us", now->period) < 0) return -1;
+            if ((!was || strcmp(now->quota, was->quota)) && write_file(dir, "cpu.cfs_quota_us", now->quota) < 0)
+                return -1;
+        } else if (was && was->quota[0]) {
+            if (write_file(dir, "cpu.cfs_quota_us", "-1") < 0) return -1;
+        }
+    } else if (strcmp(name, "devices") == 0 && !was) {
+        if (write_devices(dir) < 0) return -1;
+    }
+    return 0;
+}
+
+/* Make the sandbox's cgroup in every hierarchy and write its limits; on error, why */
 static const char *make_cgroup(const struct request *r) {
     static char why[4800];
     char dir[4200], rel_parent[2048];
+    struct limits now;
+    limits_of(r, &now);
     snprintf(rel_parent, sizeof rel_parent, "%s", r->cgroup);
     char *cut = strrchr(rel_parent, '/');
     if (cut) *cut = 0;
@@ -446,28 +502,8 @@ static const char *make_cgroup(const struct request *r) {
             /* the parent went (removed while no sandbox was in it): make it again */
             if (errno != ENOENT || !cut || make_parent(rel_parent) < 0 || mkdir(dir, 0755) < 0) goto failed;
         }
-        if (strcmp(name, "memory") == 0 && r->mem[0]) {
-            if (write_file(dir, "memory.limit_in_bytes", r->mem) < 0) goto failed;
-            if (write_file(dir, "memory.memsw.limit_in_bytes", r->mem) < 0 && errno != ENOENT) goto failed;
-        } else if (strcmp(name, "pids") == 0 && r->pids[0]) {
-            if (write_file(dir, "pids.max", r->pids) < 0) goto failed;
-        } else if (strcmp(name, "cpu") == 0) {
-            if (write_file(dir, "cpu.shares", r->shares) < 0) goto failed;
-            if (r->quota[0]) {
-                /* each write of the period or the quota walks every cpu cgroup on the host (the kernel's
-                 * bandwidth check, __cfs_schedulable): at 3,000 live sandboxes a write is a scan of 3,000.
-                 * A new cgroup has the kernel's default period (100 ms, what the node asks): written only if
-                 * it differs */
-                char now[32];
-                if (read_file(dir, "cpu.cfs_period_us", now, sizeof now) < 0 || strtol(now, NULL, 10) != atol(r->period))
-                    if (write_file(dir, "cpu.cfs_period_us", r->period) < 0) goto failed;
-                if (write_file(dir, "cpu.cfs_quota_us", r->quota) < 0) goto failed;
-            }
-        } else if (strcmp(name, "devices") == 0) {
-            if (write_devices(dir) < 0) goto failed;
-        } else if (strcmp(name, "cpuset") == 0 && !cut) {
-            if (cpuset_inherit(dir, h) < 0) goto failed;
-        }
+        if (limit_dir(h, dir, &now, NULL) < 0) goto failed;
+        if (strcmp(name, "cpuset") == 0 && !cut && cpuset_inherit(dir, h) < 0) goto failed;
     }
     return NULL;
 failed:
@@ -495,8 +531,10 @@ static const char *join_cgroup(const struct request *r, pid_t pid) {
 /* Why (issue 12): cloning into new PID, network, IPC and UTS namespaces costs ~0.8 ms here (the network
  * namespace ~0.6), on the create's critical path. The launcher makes the next sandbox's init ahead, while it
  * waits for requests: a process in fresh namespaces of those four kinds, with its /sys mounted and its
- * loopback up (neither depends on the request), blocked reading its own socketpair. A create then places it in the sandbox's cgroup (before it runs a step of its own, as the sync pipe does
- * for a child cloned on the spot) and sends it the request as it came with its three fds (the agent's
+ * loopback up (neither depends on the request), blocked reading its own socketpair. It waits in a cgroup made
+ * for the next sandbox (see spare_cgroup), which a create renames to the sandbox's and gives the limits that
+ * differ; else a create places it in the sandbox's cgroup (before it runs a step of its own, as the sync pipe
+ * does for a child cloned on the spot). The create sends it the request as it came with its three fds (the agent's
  * listening socket, the log, the status pipe); the spare parses it, takes a mount namespace of its own
  * (made now, not ahead: a copy of the host's mount table as it is at this create, with the layers mounted
  * since) and goes on exactly as a child cloned on the spot. Nothing of a sandbox is shared with another:
@@ -506,6 +544,87 @@ static char raw[MSG_MAX];
 static size_t raw_len;
 static pid_t spare_pid;
 static int spare_sock = -1, spare_failed, signal_fd = -1;
+
+/* The spare's cgroup: `<parent>/.spare-<launcher pid>-<n>` in every hierarchy but cpuset (the parent's), made
+ * by the spare itself while it waits, with the last create's limits (spare_limits), and joined by it. Why
+ * (issue 12): a create otherwise makes a directory in each hierarchy and moves its init into each, and the
+ * first move waits for an RCU grace period (cgroup_threadgroup_rwsem) and every mkdir for the cgroup mutex,
+ * which the kernel holds while it removes closed sandboxes' memory cgroups (a walk of every superblock's LRU
+ * lists): 15-100 ms of a create at 3,000 live sandboxes. A create that takes the spare renames the directories
+ * (the same parent, as cgroup v1 allows) and writes only the limits that differ. The spare answers 'j' once
+ * it is in its cgroup, 'n' if it could not make or join it (the create then makes the cgroup and moves it, as
+ * for a child cloned on the spot); what is left of the directories is removed once it is out of them
+ * (spare_cgroup_gone). The node removes those of a launcher that died (launcher.py). */
+static char spare_cgname[2200];
+static struct limits spare_limits, last_limits;
+static int spare_seq;
+static char spare_answer; /* its 'j' or 'n', once read */
+
+static void spare_cgroup_dir(char *out, size_t size, const char *h, const char *rel) {
+    if (in_parent_cpuset(h, rel)) snprintf(out, size, "%s/%s", h, ready_parent);
+    else snprintf(out, size, "%s/%s", h, rel);
+}
+
+/* In the spare, before it waits: make and join its cgroup; 'j', or 'n' if any step failed */
+static char spare_cgroup(void) {
+    char dir[4400], text[32];
+    if (!spare_cgname[0]) return 'n';
+    for (int i = 0; i < conf.ncg; i++) {
+        if (in_parent_cpuset(conf.cg[i], spare_cgname)) continue;
+        spare_cgroup_dir(dir, sizeof dir, conf.cg[i], spare_cgname);
+        if (mkdir(dir, 0755) < 0 || limit_dir(conf.cg[i], dir, &spare_limits, NULL) < 0) return 'n';
+    }
+    snprintf(text, sizeof text, "%d", getpid());
+    for (int i = 0; i < conf.ncg; i++) {
+        spare_cgroup_dir(dir, sizeof dir, conf.cg[i], spare_cgname);
+        if (write_file(dir, "cgroup.procs", text) < 0) return 'n';
+    }
+    return 'j';
+}
+
+/* The spare's cgroup directories once no process is in them (it was reaped, or moved to its sandbox's) */
+static void spare_cgroup_gone(void) {
+    char dir[4400];
+    if (!spare_cgname[0]) return;
+    for (int i = 0; i < conf.ncg; i++) {
+        if (in_parent_cpuset(conf.cg[i], spare_cgname)) continue;
+        spare_cgroup_dir(dir, sizeof dir, conf.cg[i], spare_cgname);
+        (void)rmdir(dir);
+    }
+    spare_cgname[0] = 0;
+}
+
+/* A create takes the spare's cgroup: renamed to the sandbox's in every hierarchy, the limits that differ
+ * written; NULL, or why not (then the directories are renamed back: the create makes the sandbox's) */
+static const char *take_spare_cgroup(const struct request *r) {
+    static char why[4800];
+    char from[4400], to[4400];
+    struct limits now;
+    limits_of(r, &now);
+    int done = 0;
+    for (; done < conf.ncg; done++) {
+        const char *h = conf.cg[done];
+        if (in_parent_cpuset(h, spare_cgname)) continue;
+        spare_cgroup_dir(from, sizeof from, h, spare_cgname);
+        spare_cgroup_dir(to, sizeof to, h, r->cgroup);
+        if (rename(from, to) < 0) goto failed;
+        if (limit_dir(h, to, &now, &spare_limits) < 0) {
+            done++;
+            goto failed;
+        }
+    }
+    spare_cgname[0] = 0;
+    return NULL;
+failed:
+    snprintf(why, sizeof why, "cgroup %s: %s", to, strerror(errno));
+    while (--done >= 0) {
+        if (in_parent_cpuset(conf.cg[done], spare_cgname)) continue;
+        spare_cgroup_dir(from, sizeof from, conf.cg[done], spare_cgname);
+        spare_cgroup_dir(to, sizeof to, conf.cg[done], r->cgroup);
+        (void)rename(to, from);
+    }
+    return why;
+}
 
 static int split(char *msg, size_t len, char **fields);
 static const char *fill_request(char **fields, int n, struct request *r);
@@ -527,6 +646,8 @@ static int make_sysfs_ahead(void) {
 
 static void spare_wait(int sock) {
     static char msg[MSG_MAX];
+    char joined = spare_cgroup(); /* first: what follows is charged to the sandbox's cgroup */
+    if (send(sock, &joined, 1, MSG_NOSIGNAL) != 1) _exit(0); /* from now on a create may take it */
     ahead_sysfs = make_sysfs_ahead();
     ahead_lo = loopback_up() == NULL; /* else tried again at the create, where a failure is reported */
     char control[CMSG_SPACE(3 * sizeof(int))];
@@ -562,6 +683,9 @@ static void make_spare(void) {
         spare_failed = 1;
         return;
     }
+    /* the parent is known once a create made it (see the main loop); the spare's limits are the last create's */
+    snprintf(spare_cgname, sizeof spare_cgname, "%s/.spare-%d-%d", ready_parent, (int)getpid(), ++spare_seq);
+    spare_limits = last_limits;
     unsigned long flags = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | SIGCHLD;
     pid_t pid = syscall(SYS_clone, flags, NULL, NULL, NULL, NULL);
     if (pid == 0) { /* keep nothing of the launcher's but this socket */
@@ -595,8 +719,38 @@ static int send_to_spare(int sock, int listen_fd, int log_fd, int status_fd_) {
     return n == (ssize_t)raw_len ? 0 : -1;
 }
 
+static void reaped(pid_t pid);
+
+/* A spare that died or was killed: reaped now, its cgroup removed (in reaped) */
+static void reap_spare(void) {
+    pid_t pid = spare_pid;
+    kill(pid, SIGKILL);
+    while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {
+    }
+    reaped(pid);
+}
+
+/* Whether the spare is ready to be taken: it answered once done with its cgroup (a create does not wait for
+ * it: one that comes sooner clones a child on the spot and leaves the spare for the next). One that died is
+ * reaped. */
+static int spare_ready(void) {
+    if (spare_pid <= 0) return 0;
+    if (spare_answer) return 1;
+    char c;
+    ssize_t n;
+    while ((n = recv(spare_sock, &c, 1, MSG_DONTWAIT)) < 0 && errno == EINTR) {
+    }
+    if (n == 1) {
+        spare_answer = c;
+        return 1;
+    }
+    if (n < 0 && errno == EAGAIN) return 0;
+    reap_spare(); /* gone or broken */
+    return 0;
+}
+
 static void create(const struct request *r, int listen_fd) {
-    int sync[2] = {-1, -1}, status[2] = {-1, -1}, log_fd = -1, spare = -1;
+    int sync[2] = {-1, -1}, status[2] = {-1, -1}, log_fd = -1, spare = -1, in_cgroup = 0;
     const char *why;
     spare_failed = 0;
     if (!conf.ready) {
@@ -611,19 +765,21 @@ static void create(const struct request *r, int listen_fd) {
         reply("%s err no listening socket came with the request", r->id);
         return;
     }
-    if ((why = make_cgroup(r))) {
+    int use_spare = spare_ready();
+    if (use_spare && spare_answer == 'j' && spare_cgname[0] && !take_spare_cgroup(r)) in_cgroup = 1;
+    else if ((why = make_cgroup(r))) {
         reply("%s err %s", r->id, why);
         return;
     }
     log_fd = open(r->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW, 0600);
-    if (log_fd < 0 || pipe2(status, O_CLOEXEC) < 0 || (spare_pid <= 0 && pipe2(sync, O_CLOEXEC) < 0)) {
+    if (log_fd < 0 || pipe2(status, O_CLOEXEC) < 0 || (!use_spare && pipe2(sync, O_CLOEXEC) < 0)) {
         reply("%s err %s: %s", r->id, log_fd < 0 ? r->log : "pipe", strerror(errno));
         goto out;
     }
     pid_t pid;
-    if (spare_pid > 0) { /* the spare made ahead: it runs no step of its own before it gets the request */
+    if (use_spare) { /* the spare made ahead: it runs no step of its own before it gets the request */
         pid = spare_pid, spare = spare_sock;
-        spare_pid = 0, spare_sock = -1;
+        spare_pid = 0, spare_sock = -1, spare_answer = 0;
     } else {
         unsigned long flags = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNS | SIGCHLD;
         pid = syscall(SYS_clone, flags, NULL, NULL, NULL, NULL);
@@ -642,11 +798,14 @@ static void create(const struct request *r, int listen_fd) {
         close(status[1]);
         status[1] = -1;
     }
-    if ((why = join_cgroup(r, pid))) { /* the child never ran a step of its own: its sync read gets EOF */
+    if (!in_cgroup && (why = join_cgroup(r, pid))) { /* the child never ran a step of its own: its sync read
+                                                       * gets EOF */
         kill(pid, SIGKILL);
         reply("%s err %s", r->id, why);
         goto out;
     }
+    if (use_spare && !in_cgroup) spare_cgroup_gone(); /* the spare was moved out of its cgroup */
+    limits_of(r, &last_limits);           /* the next spare's */
     if (r->pidfile[0]) { /* as `crun run --pid-file`: for whoever looks for the sandbox's init later */
         char text[32];
         int n = snprintf(text, sizeof text, "%d", pid);
@@ -716,7 +875,8 @@ static void finish(int i) {
 static void reaped(pid_t pid) {
     if (pid == spare_pid) { /* the spare died before any create took it (killed): make another */
         close(spare_sock);
-        spare_pid = 0, spare_sock = -1;
+        spare_pid = 0, spare_sock = -1, spare_answer = 0;
+        spare_cgroup_gone();
         return;
     }
     struct sandbox *sb = find_sandbox(pid);
@@ -883,11 +1043,18 @@ out:
     if (fd >= 0) close(fd);
 }
 
+/* Exit: the spare with its cgroup goes (sandboxes keep running) */
+static int leave(void) {
+    if (spare_pid > 0) reap_spare();
+    return 0;
+}
+
 int main(void) {
     static char msg[MSG_MAX];
     sigset_t chld;
     sigemptyset(&chld);
     sigaddset(&chld, SIGCHLD);
+    sigaddset(&chld, SIGTERM); /* the node's stop: leave as when its end closes */
     sigprocmask(SIG_BLOCK, &chld, NULL);
     int sfd = signal_fd = signalfd(-1, &chld, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sfd < 0 || fcntl(SOCK_FD, F_SETFD, FD_CLOEXEC) < 0) {
@@ -900,9 +1067,10 @@ int main(void) {
         fds[0] = (struct pollfd){SOCK_FD, POLLIN, 0};
         fds[1] = (struct pollfd){sfd, POLLIN, 0};
         for (int i = 0; i < npending; i++) fds[i + 2] = (struct pollfd){pending[i].fd, POLLIN, 0};
-        int nfds = npending + 2, wants_spare = conf.ready && spare_pid <= 0 && !spare_failed && !npending;
+        int nfds = npending + 2, wants_spare = ready_parent[0] && spare_pid <= 0 && !spare_failed && !npending;
         /* the spare is made when nothing else waits, no create included (its child's setup would share the
-         * CPU with the clone); with children, a full reaping scan at least every second */
+         * CPU with the clone), once a create made the sandboxes' parent cgroup (its own is made in it); with
+         * children, a full reaping scan at least every second */
         int ready = poll(fds, nfds, wants_spare ? 0 : nsandboxes ? SCAN_MS : -1);
         if (ready < 0) {
             if (errno == EINTR) continue;
@@ -916,7 +1084,10 @@ int main(void) {
         }
         if (fds[1].revents) {
             struct signalfd_siginfo info;
-            while (read(sfd, &info, sizeof info) > 0) reap_one(info.ssi_pid);
+            while (read(sfd, &info, sizeof info) > 0) {
+                if (info.ssi_signo == SIGTERM) return leave();
+                reap_one(info.ssi_pid);
+            }
             /* SIGCHLDs that came together were read as one: the sandboxes being destroyed are looked at each
              * time (their answer waits on it), the others at the next full scan (a zombie for at most a second) */
             for (int i = nsandboxes - 1; i >= 0; i--)
@@ -933,7 +1104,7 @@ int main(void) {
                                 .msg_controllen = sizeof control};
             ssize_t n = recvmsg(SOCK_FD, &mh, MSG_CMSG_CLOEXEC);
             if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-            if (n <= 0) return 0; /* the node closed its end (stopped or died): sandboxes keep running */
+            if (n <= 0) return leave(); /* the node closed its end (stopped or died): sandboxes keep running */
             int fd = -1;
             struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
             if (cm && cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) memcpy(&fd, CMSG_DATA(cm), sizeof fd);

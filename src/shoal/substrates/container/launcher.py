@@ -12,17 +12,20 @@ capabilities, no_new_privs, seccomp, exec of the agent. The same isolation as th
 (tests/test_hardening.py runs every escape attempt under it).
 
 What does not depend on the request is done ahead, while the launcher waits (launcher.c, "the spare"): the
-next sandbox's init is cloned into its pid/net/ipc/uts namespaces, mounts its /sys and brings its
-loopback up in advance; a create places it in the sandbox's cgroup before it runs a step of its own, and it
-takes its mount namespace then (the host's mounts as they are at that create). At thousands of live
+next sandbox's init is cloned into its pid/net/ipc/uts namespaces, mounts its /sys, brings its loopback up
+and waits in a cgroup made for the next sandbox (`<parent>/.spare-<launcher pid>-<n>`, with the last
+create's limits); a create renames that cgroup to the sandbox's and writes the limits that differ (else it
+places the init in the sandbox's new cgroup before it runs a step of its own), and the init takes its mount
+namespace then (the host's mounts as they are at that create). At thousands of live
 sandboxes the kernel's per-create work grows with their number (a sysfs superblock lookup, pivot_root's
 walk of every task, the cpu bandwidth check, a memory cgroup's removal walking every superblock's LRU
 lists): the launcher reaps by pid, writes the cfs period only if it differs from the kernel's default,
 binds one empty directory of the node's read-only onto a sandbox's masked directories (no superblock of
 their own) and lets sandboxes share their parent's cpuset.
 
-The launcher is the init's parent and reaps it; it exits when the node's end of the socket closes, and
-the sandboxes it made keep running (a restarted node re-adopts them from record.json and their cgroup).
+The launcher is the init's parent and reaps it; it exits when the node's end of the socket closes (or on
+SIGTERM), removing its spare and the spare's cgroup (the node removes those of a launcher that was killed),
+and the sandboxes it made keep running (a restarted node re-adopts them from record.json and their cgroup).
 Limits: cgroup v1 and hybrid hosts only (v2 needs a device-control BPF program), no user namespace.
 """
 
@@ -126,14 +129,32 @@ def _message(op: str, fields: list[tuple[str, str]]) -> bytes:
     return "\0".join(parts).encode()
 
 
+def remove_spare_cgroups(cgroup_parent: str, launcher_pid: int | None = None) -> None:
+    """Remove the cgroups where a launcher's spare waited (launcher.c, spare_cgroup): those of `launcher_pid`
+    (it exited), or of every launcher that no longer runs. A launcher removes its own when it leaves; one that
+    was killed cannot, and its spare, which exits when the launcher's socket closes, may still be in it
+    (cgroups.remove kills what is left)."""
+    names: set[str] = set()
+    for hierarchy in hierarchies():
+        parent = Path(hierarchy) / cgroup_parent
+        for path in parent.glob(f".spare-{launcher_pid if launcher_pid is not None else '*'}-*"):
+            pid = path.name.split("-")[1]
+            if launcher_pid is not None or not pid.isdigit() or not Path(f"/proc/{pid}").exists():
+                names.add(path.name)
+    for name in names:
+        cgroups.remove(f"/{cgroup_parent}/{name}")
+
+
 class Launcher:
     """The node's one shoal-launcher process: started on first use, restarted if it ever dies."""
 
-    def __init__(self, agent_binary: str, log_path: Path) -> None:
+    def __init__(self, agent_binary: str, log_path: Path, cgroup_parent: str = "shoal") -> None:
         self.agent_binary = agent_binary
         self.log_path = log_path
+        self.cgroup_parent = cgroup_parent
         self._sock: socket.socket | None = None
         self._pid: int | None = None
+        self._reaper: asyncio.Task | None = None
         self._waiters: dict[str, asyncio.Future[tuple[str, str]]] = {}
         self._ids = itertools.count(1)
         self._starting = asyncio.Lock()
@@ -187,6 +208,7 @@ class Launcher:
             if self._sock is not None:
                 return
             binary = await asyncio.to_thread(binary_path)
+            await asyncio.to_thread(remove_spare_cgroups, self.cgroup_parent)  # of a launcher that was killed
             node_end, launcher_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
                 self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -199,7 +221,7 @@ class Launcher:
             node_end.setblocking(False)
             self._sock, self._pid = node_end, pid
             asyncio.get_running_loop().add_reader(node_end.fileno(), self._readable)
-            self._tasks.spawn(self._reap(pid, node_end), name="reap the launcher")
+            self._reaper = self._tasks.spawn(self._reap(pid, node_end), name="reap the launcher")
             empty = self.log_path.parent / "masked"  # an empty directory, bound read-only onto masked ones
             empty.mkdir(mode=0o555, exist_ok=True)
             answer = await self._send("init", _init_fields(self.agent_binary, empty))
@@ -273,6 +295,7 @@ class Launcher:
         finally:
             if self._sock is sock:
                 self._lost("it exited")
+            await asyncio.to_thread(remove_spare_cgroups, self.cgroup_parent, pid)  # if it could not
 
     async def close(self) -> None:
         """Stop the launcher (its sandboxes keep running: each is its own process tree and cgroup)."""
@@ -280,7 +303,9 @@ class Launcher:
         pid, self._pid = self._pid, None
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)  # it exits on the closed socket anyway; this is for a stuck one
+                os.kill(pid, signal.SIGTERM)  # it leaves on the closed socket anyway; this is for a stuck one
+        if self._reaper is not None:  # it removes its spare's cgroup as it leaves: let it, then make sure
+            await asyncio.wait({self._reaper}, timeout=5.0)
         await self._tasks.close()
 
 

@@ -64,7 +64,7 @@ class ContainerSubstrate(Substrate):
         self.default_cpu = default_cpu  # the cap of sandboxes that name no cpu= (NodeSettings.default_cpu)
         self._private_mounts = PrivateMounts()
         self._shared: tuple[Path, Path] | None = None  # made on first use: _shared_dirs
-        self._launcher = launcher.Launcher(self.agent_binary, runtime_root / "shoal-launcher.log")
+        self._launcher = launcher.Launcher(self.agent_binary, runtime_root / "shoal-launcher.log", cgroup_parent)
 
     def runtime(self, name: str) -> OciRuntime | launcher.ShoalRuntime:
         if name not in self._runtimes:
