@@ -16,10 +16,11 @@ run `--concurrency` at a time. Rows, in one run:
     PYTHONPATH=src .venv/bin/python bench/bench_fusion.py [--n 2000] [--concurrency 32] [--rounds 1]
 
 Per row: snippets/s, p50/p99 latency and CPU-ms per snippet split node (the node process, its reaped
-children included) / sandbox (the cgroup parent holding every function worker and every snippet's child,
-from cpuacct) / client (the driving process), and the machine's (all cores from /proc/stat: the machine
-is shared, so it includes others' load). `rate bound` is what 2 cores would give at node + sandbox CPU
-(the client elsewhere) and at node + sandbox + client (the client here). Nothing is asserted.
+children included; the gateway's added on the gateway row) / sandbox (the cgroup parent holding every
+function worker and every snippet's child, from cpuacct) / client (the driving process), and the
+machine's (all cores from /proc/stat: the machine is shared, so it includes others' load). `rate bound`
+is what 2 cores would give at node + sandbox CPU (the client elsewhere) and at node + sandbox + client
+(the client here). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -179,15 +180,17 @@ class Row:
         self.cpu: dict[str, list[float]] = {"machine": [], "node": [], "sandbox": [], "client": []}
 
 
-def timed(row: Row, n: int, run, node=None) -> None:  # type: ignore[no-untyped-def]
-    """Run `run()` (-> (wall, latencies, client CPU s)) and add its rate and CPU per snippet to the row."""
+def timed(row: Row, n: int, run, node=None, hops: tuple[int, ...] = ()) -> None:  # type: ignore[no-untyped-def]
+    """Run `run()` (-> (wall, latencies, client CPU s)) and add its rate and CPU per snippet to the row;
+    `hops`: pids of processes on the way (a gateway) counted with the node."""
+    pids = ([node.pid] if node else []) + list(hops)
     machine = machine_cpu_s()
-    own = process_cpu_s(node.pid) if node else 0.0
+    own = sum(process_cpu_s(pid) for pid in pids)
     boxes = sandboxes_cpu_s(node.cgroup_parent) if node else 0.0
     wall, latencies, client = run()
     row.cpu["machine"].append((machine_cpu_s() - machine) * 1e3 / n)
     if node:
-        row.cpu["node"].append((process_cpu_s(node.pid) - own) * 1e3 / n)
+        row.cpu["node"].append((sum(process_cpu_s(pid) for pid in pids) - own) * 1e3 / n)
         row.cpu["sandbox"].append((sandboxes_cpu_s(node.cgroup_parent) - boxes) * 1e3 / n)
     if client is not None:
         row.cpu["client"].append(client * 1e3 / n)
@@ -354,15 +357,16 @@ def main() -> int:
                 row = rows.setdefault("raw fork + snippet (no isolation)", Row("raw fork + snippet (no isolation)"))
                 timed(row, n, lambda: raw_fork(n))
                 row.cpu["sandbox"].append(raw_cpu[-1] * 1e3 / n)
-            ways = [("POST /run_code, lean client", lambda: lean_http(node.http, token, n, c))]
+            ways = [("POST /run_code, lean client", lambda: lean_http(node.http, token, n, c), ())]
             if args.aiohttp:
-                ways.append(("POST /run_code, aiohttp in-process", lambda: aiohttp_http(node.http, token, n, c)))
+                ways.append(("POST /run_code, aiohttp in-process", lambda: aiohttp_http(node.http, token, n, c), ()))
             if args.shoal_client:
-                ways.append(("client.run_code (node TCP)", lambda: shoal_client(node.address, token, n, c)))
+                ways.append(("client.run_code (node TCP)", lambda: shoal_client(node.address, token, n, c), ()))
             if gateway is not None:
-                ways.append(("POST /run_code via gateway, lean", lambda: lean_http(gateway.http, token, n, c)))
-            for name, run in ways:
-                timed(rows.setdefault(name, Row(name)), n, run, node)
+                via = (gateway.proc.pid,)  # its CPU counted with the node's
+                ways.append(("POST /run_code via gateway, lean", lambda: lean_http(gateway.http, token, n, c), via))
+            for name, run, hops in ways:
+                timed(rows.setdefault(name, Row(name)), n, run, node, hops)
             loads.append(os.getloadavg()[0])
     finally:
         lc.stop()
