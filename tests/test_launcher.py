@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -185,6 +186,31 @@ def test_each_sandbox_gets_its_own_limits_whatever_the_spare_was_made_with(
         assert got == want | {"cpuset.cpus": "(none)", "cpuset.mems": "(none)",
                               "hierarchies": want["hierarchies"].replace(" cpuset ", " ")}, shape  # fmt: skip
     assert not no_leftovers(node.home, node.cgroup_parent)
+
+
+def test_the_cgroup_a_killed_launchers_spare_left_is_removed(tmp_path: Path) -> None:
+    """A launcher removes its spare's cgroup as it leaves; one killed together with its node cannot. The next
+    launcher removes such cgroups when it starts, and the node when it stops."""
+    parent = f"shoal-test-launcher-stale-{os.getpid()}"
+    node = NodeProcess(tmp_path / "home", parent).start()
+    gone = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True).stdout.strip()  # a dead pid
+
+    def stale() -> list[Path]:
+        return [Path(h) / parent / f".spare-{gone}-1" for h in launcher.hierarchies()]
+
+    def leave_stale() -> None:
+        for directory in stale():
+            directory.mkdir(parents=True, exist_ok=True)
+
+    try:
+        leave_stale()
+        with node.client() as client:
+            client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300).close()  # starts a launcher
+            assert not any(d.exists() for d in stale())
+        leave_stale()
+    finally:
+        node.stop()
+    assert not no_leftovers(node.home, parent, node_stopped=True)
 
 
 def test_pause_resume_and_close_leave_nothing(tmp_path: Path) -> None:

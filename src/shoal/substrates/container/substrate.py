@@ -75,8 +75,10 @@ class ContainerSubstrate(Substrate):
         return self._runtimes[name]
 
     async def close(self) -> None:
-        """Stop the node's launcher (the sandboxes it made keep running until closed or re-adopted)."""
+        """Stop the node's launcher (the sandboxes it made keep running until closed or re-adopted), and
+        remove what spares of launchers that were killed left (an empty cgroup each: see launcher.py)."""
         await self._launcher.close()
+        await asyncio.to_thread(launcher.remove_spare_cgroups, self.cgroup_parent)
 
     async def create(self, sandbox_id: str, spec: SandboxSpec, image: Image, snapshot: str | None = None) -> Instance:
         if snapshot is not None:
