@@ -446,6 +446,16 @@ def client(node: NodeProcess) -> Iterator[shoal.Client]:
         yield c
 
 
+@pytest.fixture(scope="module")
+def function_workers_retired(client: shoal.Client, node: NodeProcess) -> Iterator[None]:
+    """For a module whose calls start warm function workers on the session node: they are sandboxes of
+    the node, so retire them when the module ends, or a later module's leak checks find them."""
+    yield
+    for image in ("debian", "debian-dev"):
+        client.set_pool("function", image, size=0, wait=True)
+    assert not no_leftovers(node.home, node.cgroup_parent)
+
+
 @pytest.fixture
 async def aclient(node: NodeProcess):  # noqa: ANN201
     async with node.async_client() as c:

@@ -17,6 +17,8 @@ from conftest import NodeProcess, default_runtime, no_leftovers, runtime_unavail
 
 import shoal
 
+pytestmark = pytest.mark.usefixtures("function_workers_retired")  # its call starts a warm worker
+
 
 def _record(node: NodeProcess, sandbox_id: str) -> dict:
     return json.loads((node.home / "sandboxes" / sandbox_id / "record.json").read_text())

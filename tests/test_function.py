@@ -12,7 +12,6 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,13 +28,7 @@ needs_dev = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _workers_retired(client: shoal.Client, node: NodeProcess) -> Iterator[None]:
-    """Warm workers are sandboxes of the node: retire them so later leak checks see an idle node."""
-    yield
-    for image in ("debian", "debian-dev"):
-        client.set_pool("function", image, size=0, wait=True)
-    assert not no_leftovers(node.home, node.cgroup_parent)
+pytestmark = pytest.mark.usefixtures("function_workers_retired")
 
 
 @pytest.fixture
