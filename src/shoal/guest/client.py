@@ -361,11 +361,19 @@ class ExecRun:
 
     _RECV = 1 << 16
 
-    def __init__(self, sock: socket.socket, path: str, stream: bool, keeper: AgentClient | None = None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        path: str,
+        stream: bool,
+        keeper: AgentClient | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         self._sock, self._path, self._keeper = sock, path, keeper
         self._kept = False  # the exit frame said the agent's handler serves the next exec on this connection
         self._sending = False  # a frame may be half written: the connection cannot carry another exec
-        self._loop = asyncio.get_running_loop()
+        # the caller's loop if it has it: each asyncio.get_running_loop() is a getpid() system call
+        self._loop = loop or asyncio.get_running_loop()
         self._buf = bytearray()
         self._started: asyncio.Future = self._loop.create_future()
         self._waiter: asyncio.Future | None = None
@@ -385,10 +393,10 @@ class ExecRun:
         connection that ends before the pid came is dialled again: the agent starts a command only once its
         pid is on the way (the handler of a kept connection can be killed from inside the sandbox)."""
         loop = asyncio.get_running_loop()
-        kept = keeper._take_kept() if keeper is not None else None
+        kept = keeper._take_kept(loop) if keeper is not None else None
         while True:
             sock = kept or await _dial(path)
-            run = cls(sock, path, stream, keeper)
+            run = cls(sock, path, stream, keeper, loop)
             try:
                 # a kept connection is still registered, watched by its keeper: this replaces the callback
                 # (no syscall) before anything can arrive on it
@@ -681,9 +689,9 @@ class AgentClient:
         self._spare: socket.socket | None = None
         self._closed = False
 
-    def _take_kept(self) -> socket.socket | None:
+    def _take_kept(self, loop: asyncio.AbstractEventLoop | None = None) -> socket.socket | None:
         """A kept connection (still registered in this loop's selector), or None."""
-        loop = asyncio.get_running_loop()
+        loop = loop or asyncio.get_running_loop()
         while self._kept:
             sock, owner = self._kept.pop()
             if owner is loop:
