@@ -560,12 +560,33 @@ def _exec_payload(
     flags = (EXEC_STDIN_PIPE if stdin_pipe else 0) | (EXEC_MERGE_STDERR if merge else 0) | more_flags
     parts = [struct.pack(">IIII", cap, uid, gid, flags), _cstr(cwd), _U32.pack(len(argv))]
     parts += [_cstr(a) for a in argv]
-    parts.append(_U32.pack(len(env)))
-    for key, value in env.items():
-        if "=" in key or not key:
-            raise ValueError(f"invalid environment variable name {key!r}")
-        parts.append(_cstr(f"{key}={value}"))
+    parts.append(_env_block(env))
     return b"".join(parts)
+
+
+_ENV_BLOCKS: dict[tuple, bytes] = {}  # a sandbox's environment, encoded once: the same at nearly every exec
+
+
+def _env_block(env: dict[str, str]) -> bytes:
+    """`env` as the agent reads it (count, then KEY=VALUE NUL-terminated). Kept by content: encoding it
+    anew was half of encoding an exec request (issue 12: 7.7 -> 3.9 µs, timeit)."""
+    items: tuple | None = tuple(env.items())
+    try:
+        block = _ENV_BLOCKS.get(items)
+    except TypeError:  # a value that is not hashable (not a str): encoded as before, not kept
+        block, items = None, None
+    if block is None:
+        parts = [_U32.pack(len(env))]
+        for key, value in env.items():
+            if "=" in key or not key:
+                raise ValueError(f"invalid environment variable name {key!r}")
+            parts.append(_cstr(f"{key}={value}"))
+        block = b"".join(parts)
+        if items is not None:
+            if len(_ENV_BLOCKS) >= 256:  # many sandboxes' or requests' own environments: start over
+                _ENV_BLOCKS.clear()
+            _ENV_BLOCKS[items] = block
+    return block
 
 
 @dataclass(frozen=True)
