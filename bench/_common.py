@@ -44,6 +44,23 @@ def launcher_cpu_seconds(node_pid: int) -> float:
     return total
 
 
+def sandboxes_cpu_s(cgroup_parent: str) -> float:
+    """CPU of everything in the node's sandboxes (the function workers and every call's child), from the
+    cgroup parent they live under (v1 cpuacct or v2 cpu.stat); 0 if neither is readable."""
+    root = Path("/sys/fs/cgroup")
+    try:
+        return int((root / "cpuacct" / cgroup_parent / "cpuacct.usage").read_text()) / 1e9
+    except OSError:
+        pass
+    try:
+        for line in (root / cgroup_parent / "cpu.stat").read_text().splitlines():
+            if line.startswith("usage_usec "):
+                return int(line.split()[1]) / 1e6
+    except OSError:
+        pass
+    return 0.0
+
+
 def summary(name: str, seconds: list[float], wall: float | None = None) -> str:
     p50, p99 = statistics.median(seconds) * 1e3, pct(seconds, 0.99) * 1e3
     rate = f"{len(seconds) / wall:8.1f}/s" if wall else " " * 10

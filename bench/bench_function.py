@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from _common import pct
+from _common import pct, sandboxes_cpu_s
 
 import shoal
 from shoal.cluster.local import LocalCluster
@@ -78,23 +78,6 @@ print(json.dumps(lat))
 def machine_cpu_s() -> float:
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     return (sum(fields) - fields[3] - fields[4]) / TICK  # all but idle and iowait
-
-
-def sandboxes_cpu_s(cgroup_parent: str) -> float:
-    """CPU of everything in the node's sandboxes (the function workers and every call's child), from the
-    cgroup parent they live under (v1 cpuacct or v2 cpu.stat); 0 if neither is readable."""
-    root = Path("/sys/fs/cgroup")
-    try:
-        return int((root / "cpuacct" / cgroup_parent / "cpuacct.usage").read_text()) / 1e9
-    except OSError:
-        pass
-    try:
-        for line in (root / cgroup_parent / "cpu.stat").read_text().splitlines():
-            if line.startswith("usage_usec "):
-                return int(line.split()[1]) / 1e6
-    except OSError:
-        pass
-    return 0.0
 
 
 def own_cpu_s() -> float:

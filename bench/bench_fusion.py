@@ -38,9 +38,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from _common import pct
+from _common import pct, sandboxes_cpu_s
 
 TICK = os.sysconf("SC_CLK_TCK")
 CORES = os.cpu_count() or 1
@@ -83,22 +84,6 @@ def machine_cpu_s() -> float:
 def process_cpu_s(pid: int) -> float:
     stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return sum(int(x) for x in stat[11:15]) / TICK  # utime stime cutime cstime
-
-
-def sandboxes_cpu_s(cgroup_parent: str) -> float:
-    """CPU of the node's sandboxes (function workers and every snippet's child) from their cgroup parent."""
-    root = Path("/sys/fs/cgroup")
-    try:
-        return int((root / "cpuacct" / cgroup_parent / "cpuacct.usage").read_text()) / 1e9
-    except OSError:
-        pass
-    try:
-        for line in (root / cgroup_parent / "cpu.stat").read_text().splitlines():
-            if line.startswith("usage_usec "):
-                return int(line.split()[1]) / 1e6
-    except OSError:
-        pass
-    return 0.0
 
 
 def snippet(i: int) -> tuple[str, str]:
@@ -222,6 +207,14 @@ def lean_http(address: str, token: str, n: int, c: int) -> tuple[float, list[flo
     return out["wall"], out["lat"], out["cpu"]
 
 
+def in_process(run: Callable[[], Awaitable[tuple[float, list[float]]]]) -> tuple[float, list[float], float]:
+    """A client run in this process: its wall time, per-request times and this process's CPU seconds."""
+    u0 = resource.getrusage(resource.RUSAGE_SELF)
+    wall, times = asyncio.run(run())
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
+    return wall, times, u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime
+
+
 def aiohttp_http(address: str, token: str, n: int, c: int) -> tuple[float, list[float], float]:
     import aiohttp
 
@@ -243,10 +236,7 @@ def aiohttp_http(address: str, token: str, n: int, c: int) -> tuple[float, list[
             await asyncio.gather(*(one(i) for i in range(n)))
             return time.perf_counter() - started, times
 
-    u0 = resource.getrusage(resource.RUSAGE_SELF)
-    wall, times = asyncio.run(run())
-    u1 = resource.getrusage(resource.RUSAGE_SELF)
-    return wall, times, u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime
+    return in_process(run)
 
 
 def shoal_client(address: str, token: str, n: int, c: int) -> tuple[float, list[float], float]:
@@ -269,10 +259,7 @@ def shoal_client(address: str, token: str, n: int, c: int) -> tuple[float, list[
             await asyncio.gather(*(one(i) for i in range(n)))
             return time.perf_counter() - started, times
 
-    u0 = resource.getrusage(resource.RUSAGE_SELF)
-    wall, times = asyncio.run(run())
-    u1 = resource.getrusage(resource.RUSAGE_SELF)
-    return wall, times, u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime
+    return in_process(run)
 
 
 def report(rows: dict[str, Row], n: int, c: int, loads: list[float]) -> None:
