@@ -141,6 +141,15 @@ def test_sysv_ipc_does_not_persist(client: shoal.Client) -> None:
     )
     assert client.call(make) == [True, True, True]
     assert client.call("[len(open(f'/proc/sysvipc/{k}').readlines()) - 1 for k in ('shm', 'sem', 'msg')]") == [0, 0, 0]
+    # more objects than one read of the kernel's table returns (a page of rows): every one is removed
+    many = (
+        "import ctypes\nlibc = ctypes.CDLL(None)\n"
+        "[sum(libc.shmget(0, 4096, 0o1600) >= 0 for _ in range(100)),"
+        " sum(libc.semget(0, 1, 0o1600) >= 0 for _ in range(100)),"
+        " sum(libc.msgget(0, 0o1600) >= 0 for _ in range(100))]"
+    )
+    assert client.call(many) == [100, 100, 100]
+    assert client.call("[len(open(f'/proc/sysvipc/{k}').readlines()) - 1 for k in ('shm', 'sem', 'msg')]") == [0, 0, 0]
 
 
 def test_preimported_modules(client: shoal.Client) -> None:

@@ -207,6 +207,9 @@ def rmtree(path: str) -> None:
 
 
 _IPC_RMID = 0
+# A read of a /proc/sysvipc table returns at most one page of rows (seq_file), so a page's worth or less is not
+# the end; a read shorter than a page by more than the longest row (under 256 bytes) is.
+_SHORT_READ = os.sysconf("SC_PAGESIZE") - 512
 _SYSV = (("shm", "shmctl"), ("sem", "semctl"), ("msg", "msgctl"))
 
 
@@ -233,7 +236,7 @@ def _read_table(kind: str, fd: int) -> bytes:
     while chunk := os.pread(fd, 1 << 16, offset):
         chunks.append(chunk)
         offset += len(chunk)
-        if len(chunk) < 1 << 15:  # a seq_file read returns every row that fits: a short one is the end
+        if len(chunk) < _SHORT_READ:  # a seq_file read returns every row that fits its page: a short one is the end
             break
     return b"".join(chunks)
 
