@@ -86,6 +86,9 @@ CHECKPOINT_WRITES = 500  # after this many writes the syncer copies the WAL into
 CHECKPOINT_PASSES = 4  # PASSIVE checkpoints in a row at most, catching up with the writes made while one ran
 BATCH_ROWS = 512  # journaled results that make a batch at once, without waiting for SHOAL_LOG_BATCH_MS
 BUSY_WAIT = 0.0005  # a write the checkpoint's lock refused is retried after this (seconds), for up to 10 s
+# A sandbox opened and closed: the same statements when logged and when a journal record of them is replayed
+_OPEN_SANDBOX = "INSERT OR REPLACE INTO sandboxes (id, trajectory, image, spec, created_at) VALUES (?,?,?,?,?)"
+_CLOSE_SANDBOX = "UPDATE sandboxes SET closed_at=?, status=?, reason=? WHERE id=? AND status='live'"
 
 # Tasks running a logged step now (Recorder.step), with how many: a client that goes away must not stop them.
 _logging: dict[asyncio.Task, int] = {}
@@ -519,15 +522,15 @@ class TrajectoryLog:
     async def open_sandbox(self, sandbox_id: str, trajectory: str | None, image: str, spec: Any) -> None:
         """Log a new sandbox (a create or a warm-pool claim answers after this).
 
-        Written to the WAL without an fsync of its own, like a step's intent: it must outlive the node process
-        (a restarted node finds the trajectory and re-adopts the sandbox). A machine that dies takes the
-        sandbox with it; what it then loses is only this row if no step of the sandbox was logged since,
-        because the fsync of any later row covers every row before it in the WAL. Its fsync cost a claim
-        more than the rest of it (issue 12: 0.2 ms on a quiet disk, tens of ms on a busy one). The row goes to
-        the journal too, as the next fsync's to cover (SQLite's WAL is not fsynced per write)."""
+        Written to SQLite's WAL and to the journal without an fsync of its own, like a step's intent: it must
+        outlive the node process (a restarted node finds the trajectory and re-adopts the sandbox). A machine
+        that dies takes the sandbox with it; what it then loses is only this row if no step of the sandbox was
+        logged since, because the journal's fsync for any later record covers every record before it (SQLite's
+        WAL is not fsynced per write). Its own fsync cost a claim more than the rest of it (issue 12: 0.2 ms on
+        a quiet disk, tens of ms on a busy one)."""
         row = (sandbox_id, trajectory, image, _encode(spec), time.time())
         await self._submit(
-            "INSERT OR REPLACE INTO sandboxes (id, trajectory, image, spec, created_at) VALUES (?,?,?,?,?)",
+            _OPEN_SANDBOX,
             row,
             ("sandbox", *row),
             fsync=False,
@@ -536,7 +539,7 @@ class TrajectoryLog:
     async def close_sandbox(self, sandbox_id: str, status: str, reason: str) -> None:
         closed_at = time.time()
         await self._submit(
-            "UPDATE sandboxes SET closed_at=?, status=?, reason=? WHERE id=? AND status='live'",
+            _CLOSE_SANDBOX,
             (closed_at, status, reason, sandbox_id),
             ("closed", sandbox_id, closed_at, status, reason),
         )
@@ -677,12 +680,10 @@ def _replayed(record: tuple) -> tuple[str, tuple] | None:
         return (f"{verb} INTO steps SELECT ?,?,?,?,?,?,?,?,?,? WHERE EXISTS (SELECT 1 FROM sandboxes WHERE id=?)",
                 (*record, record[0]))  # fmt: skip
     if len(record) == 6 and record[0] == "sandbox":  # as open_sandbox wrote it (a later close record follows it)
-        return ("INSERT OR REPLACE INTO sandboxes (id, trajectory, image, spec, created_at) VALUES (?,?,?,?,?)",
-                record[1:])  # fmt: skip
+        return _OPEN_SANDBOX, record[1:]
     if len(record) == 5 and record[0] == "closed":
         _, sandbox_id, closed_at, status, reason = record
-        return ("UPDATE sandboxes SET closed_at=?, status=?, reason=? WHERE id=? AND status='live'",
-                (closed_at, status, reason, sandbox_id))  # fmt: skip
+        return _CLOSE_SANDBOX, (closed_at, status, reason, sandbox_id)
     log.warning("skipped a journal record of unknown shape (%d fields)", len(record))
     return None
 
