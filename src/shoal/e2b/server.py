@@ -348,24 +348,26 @@ async def handoff(path: str, listen: str, templates: tuple, addr_file: str | Non
         bound = sock.getsockname()
         if addr_file:
             write_address(addr_file, bound[0], bound[1])
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await _until_stopped()
     finally:
         conn.close()
         sock.close()
 
 
-async def serve(target: Target, listen: str, addr_file: str | None = None) -> None:
-    """Serve until SIGTERM/SIGINT."""
-    close = await start(target, listen, addr_file)
+async def _until_stopped() -> None:
+    """Return at SIGTERM or SIGINT."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+async def serve(target: Target, listen: str, addr_file: str | None = None) -> None:
+    """Serve until SIGTERM/SIGINT."""
+    close = await start(target, listen, addr_file)
     try:
-        await stop.wait()
+        await _until_stopped()
     finally:
         await close()
 
