@@ -44,6 +44,18 @@ def launcher_cpu_seconds(node_pid: int) -> float:
     return total
 
 
+def machine_cpu_s() -> float:
+    """CPU the whole machine has used so far (/proc/stat: every core, all but idle and iowait), in seconds."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU a process and its reaped children have used so far (utime stime cutime cstime), in seconds."""
+    stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return sum(int(x) for x in stat[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 def sandboxes_cpu_s(cgroup_parent: str) -> float:
     """CPU of everything in the node's sandboxes (the function workers and every call's child), from the
     cgroup parent they live under (v1 cpuacct or v2 cpu.stat); 0 if neither is readable."""

@@ -41,13 +41,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from _common import pct, sandboxes_cpu_s
+from _common import machine_cpu_s, pct, process_cpu_s, sandboxes_cpu_s
 
 import shoal
 from shoal.cluster.local import LocalCluster
 
 PYTHON3 = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
-TICK = os.sysconf("SC_CLK_TCK")
 TARGETS = {  # issue 12 (calls, map) and issue 17 (SandboxFusion through HTTP)
     "shoal call(source)": 1000.0,
     "shoal map(function)": 2000.0,
@@ -75,20 +74,10 @@ print(json.dumps(lat))
 """
 
 
-def machine_cpu_s() -> float:
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(fields) - fields[3] - fields[4]) / TICK  # all but idle and iowait
-
-
 def own_cpu_s() -> float:
     """This process's CPU (the clients of the shoal ways: aiohttp, shoal's client)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def process_cpu_s(pid: int) -> float:
-    stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return sum(int(x) for x in stat[11:15]) / TICK  # utime stime cutime cstime
 
 
 class Row:

@@ -41,9 +41,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from _common import pct, sandboxes_cpu_s
+from _common import machine_cpu_s, pct, process_cpu_s, sandboxes_cpu_s
 
-TICK = os.sysconf("SC_CLK_TCK")
 CORES = os.cpu_count() or 1
 PYTHON3 = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 
@@ -74,16 +73,6 @@ u1 = resource.getrusage(resource.RUSAGE_SELF); c1 = resource.getrusage(resource.
 cpu = sum(getattr(b, f) - getattr(a, f) for a, b in ((u0, u1), (c0, c1)) for f in ("ru_utime", "ru_stime"))
 print(json.dumps({"lat": lat, "cpu": cpu}))
 """
-
-
-def machine_cpu_s() -> float:
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(fields) - fields[3] - fields[4]) / TICK  # all but idle and iowait
-
-
-def process_cpu_s(pid: int) -> float:
-    stat = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return sum(int(x) for x in stat[11:15]) / TICK  # utime stime cutime cstime
 
 
 def snippet(i: int) -> tuple[str, str]:
