@@ -180,6 +180,23 @@ def test_log_cli_show_and_export(client: shoal.Client, node: NodeProcess, tmp_pa
     assert missing.returncode == 1 and "no trajectory log" in missing.stderr
 
 
+def _sqlite_rows(home: Path, sandbox_id: str, count: int, what: str = "COUNT(*)") -> object:
+    """`what` over the sandbox's steps in SQLite, once it holds `count` of them (waits up to 10 s for the batch)."""
+    deadline = time.monotonic() + 10
+    while True:
+        db = sqlite3.connect(f"file:{home / 'trajectory.db'}?mode=ro", uri=True)
+        try:
+            (have, value) = db.execute(
+                f"SELECT COUNT(*), {what} FROM steps WHERE sandbox_id=?", (sandbox_id,)
+            ).fetchone()
+        finally:
+            db.close()
+        if have >= count or time.monotonic() > deadline:
+            assert have == count, f"SQLite holds {have} of the sandbox's {count} steps after 10 s"
+            return value
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("batch_ms", ["0", "600000"])
 def test_step_is_durable_when_the_node_dies_right_after_the_ack(tmp_path: Path, batch_ms: str) -> None:
     """SIGKILLed right after the ack, with the result already in SQLite (batch_ms 0) or only in the journal
@@ -190,7 +207,7 @@ def test_step_is_durable_when_the_node_dies_right_after_the_ack(tmp_path: Path, 
         sb = client.create(image="busybox", pool=False, trajectory="durable")
         acked = sb.exec("echo once >> /f; cat /proc/sys/kernel/random/uuid")
         if batch_ms == "0":
-            time.sleep(0.2)  # the batch's turn of the loop
+            _sqlite_rows(doomed.home, sb.id, 1)  # the batch's turn of the loop
         os.kill(doomed.pid, signal.SIGKILL)  # no chance to flush anything after the ack
     doomed.stop(signal.SIGKILL)
     db = sqlite3.connect(f"file:{tmp_path / 'home' / 'trajectory.db'}?mode=ro", uri=True)
@@ -287,13 +304,8 @@ def test_bulk_payloads_are_logged_as_digests_and_fast_forward_stays_exact(
         steps = sb.log()
         assert steps[0]["args"]["data"] == {"bulk": steps[0]["args"]["data"]["bulk"], "size": 1 << 20}
         assert steps[1]["result"]["size"] == 1 << 20 and steps[5]["args"]["data"] == b"tiny"
-        db = sqlite3.connect(f"file:{node.home / 'trajectory.db'}?mode=ro", uri=True)
-        try:
-            (stored,) = db.execute(
-                "SELECT SUM(LENGTH(args) + LENGTH(result)) FROM steps WHERE sandbox_id=?", (sb.id,)
-            ).fetchone()
-        finally:
-            db.close()
+        # the journal answered the steps; SQLite gets them in a batch up to SHOAL_LOG_BATCH_MS later
+        stored = _sqlite_rows(node.home, sb.id, len(steps), "SUM(LENGTH(args) + LENGTH(result))")
         assert stored < 16 << 10, f"the log holds {stored} bytes for 5 MiB of file traffic"
 
         again = client.attach(sb.id)  # re-issued from step 0

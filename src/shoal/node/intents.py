@@ -60,19 +60,7 @@ class IntentJournal:
         if not data.startswith(MAGIC):
             return _recover_legacy(data)
         _, epoch = _HEADER.unpack_from(data)
-        rows, at = [], _HEADER.size
-        seed = epoch & 0xFFFFFFFF
-        while at + _RECORD.size <= len(data):
-            size, crc = _RECORD.unpack_from(data, at)
-            body = data[at + _RECORD.size : at + _RECORD.size + size]
-            if size == 0 or len(body) < size or zlib.crc32(body, seed) != crc:
-                break  # the tail: zeros, a torn record, or an earlier epoch's records
-            try:
-                rows.append(tuple(_decode(body)))
-            except msgspec.DecodeError:
-                break
-            at += _RECORD.size + size
-        return rows
+        return _records(data, _HEADER.size, _RECORD, epoch & 0xFFFFFFFF)
 
     def open(self) -> None:
         """Start the journal over (after `recover`'s records are durable elsewhere): a new epoch, an empty tail,
@@ -142,15 +130,23 @@ class IntentJournal:
 
 def _recover_legacy(data: bytes) -> list[tuple]:
     """Intents in the layout before this one: length-prefixed msgpack, appended."""
-    rows, at = [], 0
-    while at + _LEGACY.size <= len(data):
-        (size,) = _LEGACY.unpack_from(data, at)
-        body = data[at + _LEGACY.size : at + _LEGACY.size + size]
-        if len(body) < size:  # a write cut short (a full disk): nothing after it was written
+    return _records(data, 0, _LEGACY, None)
+
+
+def _records(data: bytes, at: int, prefix: struct.Struct, seed: int | None) -> list[tuple]:
+    """The records from `at` to the tail. Each is `prefix` (the body's length, then, unless `seed` is None as
+    in the legacy layout, its CRC-32 seeded with `seed`) and a msgpack body. The tail: a zero length, a torn
+    record (a write cut short by a crash or a full disk), a CRC that fails (an earlier epoch's records), or a
+    body that does not decode."""
+    rows = []
+    while at + prefix.size <= len(data):
+        size, *crc = prefix.unpack_from(data, at)
+        body = data[at + prefix.size : at + prefix.size + size]
+        if size == 0 or len(body) < size or (seed is not None and zlib.crc32(body, seed) != crc[0]):
             break
         try:
             rows.append(tuple(_decode(body)))
         except msgspec.DecodeError:
             break
-        at += _LEGACY.size + size
+        at += prefix.size + size
     return rows
