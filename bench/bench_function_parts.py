@@ -2,8 +2,10 @@
 and the calls' children, per call, with the page faults of each, beside a bare fork of an interpreter of
 the worker's size in the same run (issue 12 and 17: the floor under `call` and `POST /run_code`).
 
-    sudo PYTHONPATH=src .venv/bin/python bench/bench_function_parts.py [--calls 1000] [--way run_code|call]
+    sudo PYTHONPATH=src .venv/bin/python bench/bench_function_parts.py [--calls 1000] [--way run_code|call|map]
         [--rounds 2]
+
+(`map`: --calls items of one `map(lambda x: x, ...)` at concurrency 1, isolated per item; figures per item.)
 
 One private node, ONE worker (SHOAL_FN_MAX_WORKERS=1), calls one after another, so every figure is per
 call and nothing queues. Read from /proc of the worker's processes (root needed: they are the sandbox's):
@@ -99,6 +101,9 @@ def shoal_parts(lc: LocalCluster, way: str, n: int) -> str:
     async def run() -> str:
         async with shoal.AsyncClient(f"shoal://{node.address}", token=lc.project_tokens["bench"]) as client:
 
+            async def items(n: int) -> None:  # map: n items, one batch after another on the one worker
+                assert [v async for v in client.map(lambda x: x, range(n), concurrency=1)] == list(range(n))
+
             async def one(i: int) -> None:
                 if way == "call":
                     assert await client.call("1") == 1
@@ -106,8 +111,10 @@ def shoal_parts(lc: LocalCluster, way: str, n: int) -> str:
                     result = await client.run_code(f"print(sum(range({i})))")
                     assert result.run is not None and result.run.stdout_bytes == f"{sum(range(i))}\n".encode()
 
-            for i in range(50):  # the worker starts and warms up
+            for i in range(50 if way != "map" else 0):  # the worker starts and warms up
                 await one(i)
+            if way == "map":
+                await items(200)
             procs = worker_processes(node.cgroup_parent)
             pids = {pid for pid, _ in procs}
             worker = next(pid for pid, ppid in procs if ppid not in pids)
@@ -115,7 +122,9 @@ def shoal_parts(lc: LocalCluster, way: str, n: int) -> str:
             memory = f"worker {status(worker)}" + (f"; zygote {status(zygotes[0])}" if zygotes else "")
             w0, z0, node0 = stat(worker), [stat(z) for z in zygotes[:1]], stat(node.pid)
             start = time.perf_counter()
-            for i in range(n):
+            if way == "map":
+                await items(n)
+            for i in range(n if way != "map" else 0):
                 await one(i)
             elapsed = time.perf_counter() - start
             w1, z1, node1 = stat(worker), [stat(z) for z in zygotes[:1]], stat(node.pid)
@@ -153,7 +162,7 @@ def baseline(n: int, work: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=1000)
-    parser.add_argument("--way", choices=("run_code", "call", "both"), default="both")
+    parser.add_argument("--way", choices=("run_code", "call", "map", "both"), default="both")
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     if os.geteuid() != 0:

@@ -81,6 +81,20 @@ def test_exec_like_a_container(fn: shoal.Sandbox) -> None:
     assert fn.id in [i.id for i in fn._client.list()]
 
 
+def test_calls_get_what_python3_and_exec_give_and_none_of_the_workers_start(fn: shoal.Sandbox) -> None:
+    """A Python call keeps SIGPIPE and SIGXFSZ ignored, as python3 does (a broken pipe raises BrokenPipeError);
+    a command the worker execs gets them at their defaults (ignoring survives exec); neither sees LD_BIND_NOW,
+    which the node sets only for the worker's own start-up."""
+    ignored = "import signal\n[signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGPIPE, signal.SIGXFSZ)]"
+    assert fn.call(ignored) == [True, True]
+    assert fn.call("import os, sys\nr, w = os.pipe()\nos.close(r)\ntry:\n    os.write(w, b'x')\nexcept "
+                   "BrokenPipeError:\n    sys.exit(0)\nsys.exit(3)") is None  # fmt: skip
+    mask = int(fn.exec("grep SigIgn /proc/self/status").stdout.split()[1], 16)
+    assert mask & (1 << (signal.SIGPIPE - 1) | 1 << (signal.SIGXFSZ - 1)) == 0, hex(mask)
+    assert fn.call("import os\n'LD_BIND_NOW' in os.environ") is False
+    assert "LD_BIND_NOW" not in fn.exec("env").stdout
+
+
 def test_nothing_persists_between_calls(fn: shoal.Sandbox) -> None:
     wrote = fn.exec("for d in /work /tmp /var/tmp /dev/shm; do echo x > $d/mark && echo ok; done; (sleep 300 &)")
     assert wrote.stdout == "ok\n" * 4

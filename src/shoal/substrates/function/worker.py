@@ -45,8 +45,9 @@ GO_ON_FD = 4  # a batch's shared child: reads a byte here after each item's resu
 MAX_RESULT = 64 << 20
 MAX_FILE = 256 << 20
 _LEN = struct.Struct(">I")
-# the ones Python ignores (ignoring survives exec), reset in every call's child through the C module: the
-# `signal.signal` wrapper converts to and from enums, which cost the child ~30 page faults per call here
+# the ones Python ignores (ignoring survives exec), reset through the C module in a child that execs a command
+# (the `signal.signal` wrapper converts to and from enums, which cost the child ~30 page faults). A child
+# that runs Python keeps them ignored, as python3 itself does (a broken pipe is BrokenPipeError, not death)
 DEFAULT_SIGNALS = (_signal.SIGPIPE, _signal.SIGXFSZ)
 SIGKILL = _signal.SIGKILL
 # The worker imports little beyond what calls use (not shutil, socket, signal, base64): each call forks it,
@@ -78,8 +79,10 @@ class HeadTail:
                 del self.tail[:over]
 
     def value(self) -> bytes:
+        if not self.omitted:
+            return bytes(self.head + self.tail)
         marker = f"\n[... shoal: {self.omitted} bytes omitted by the output cap ...]\n".encode()
-        return bytes(self.head + (marker if self.omitted else b"") + self.tail)
+        return bytes(self.head + marker + self.tail)
 
 
 def b64(data: bytes) -> str:
@@ -274,6 +277,8 @@ def remove_sysv_ipc(uid: int, gid: int, fds: list[int] | None = None) -> None:
 
 def write_inputs(files: dict[str, dict], cwd: str, uid: int, gid: int) -> None:
     """Write the call's input files (and directories: entries with "dir") owned by the call's user."""
+    if not files and cwd in WRITABLE:  # the roots always exist (wipe empties them, never removes them)
+        return
     makedirs(cwd, uid, gid)
     for path, entry in files.items():
         full = os.path.normpath(os.path.join(cwd, path))
@@ -438,7 +443,7 @@ class Worker:
         if env != self.environ:
             os.environ.clear()
             os.environ.update(env)
-            self.environ = dict(env)
+        self.environ = env  # this very dict: the child knows it is adopted by identity, without comparing
 
     def child(self, step: dict, cwd: str, env: dict, fds: tuple[int, int, int, int], go_on: int = -1) -> None:
         """In the forked child: join the call cgroup, drop privileges, run. Never returns."""
@@ -455,8 +460,9 @@ class Worker:
             if go_on >= 0:
                 os.dup2(go_on, GO_ON_FD)
             os.closerange((GO_ON_FD if go_on >= 0 else RESULT_FD) + 1, 65536)
-            for sig in DEFAULT_SIGNALS:
-                _signal.signal(sig, _signal.SIG_DFL)
+            if "argv" in step:
+                for sig in DEFAULT_SIGNALS:
+                    _signal.signal(sig, _signal.SIG_DFL)
             os.setgroups([])
             os.setgid(self.gid)
             os.setuid(self.uid)
@@ -471,7 +477,7 @@ class Worker:
             except OSError as exc:
                 os.write(2, f"{argv[0]}: {exc.strerror}\n".encode())
                 os._exit(126 if exc.errno in (errno.EACCES, errno.ENOEXEC) else 127)
-        if env != self.environ:  # the worker adopts each call's environment before forking (adopt_env)
+        if env is not self.environ:  # the worker adopts each call's environment before forking (adopt_env)
             os.environ.clear()
             os.environ.update(env)
         if "script" in step:
@@ -504,21 +510,8 @@ class Worker:
         # a batch's child waits after each item until the worker has read that item's output: else the output
         # of the next item could already sit in the pipes when the worker cuts them at the result frame
         go_on_r, go_on_w = os.pipe() if batch else (-1, -1)
-        start = time.monotonic()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = self.fork()
-        if pid == 0:
-            for fd in (out_r, err_r, res_r, go_on_w):
-                if fd >= 0:
-                    os.close(fd)
-            self.child(step, cwd, env, (stdin_r, out_w, err_w, res_w), go_on_r)
-        for fd in (out_w, err_w, res_w, go_on_r):
-            if fd >= 0:
-                os.close(fd)
-        if stdin_data:
-            os.close(stdin_r)
-        pidfd = os.pidfd_open(pid)
+        # the loop's state is made before the fork: the worker's writes then fault on pages only it maps (the
+        # previous child is gone), not as copies of pages this call's child still shares
         buffers = {out_r: bytearray(), err_r: bytearray(), res_r: bytearray()}
         limits = {out_r: cap, err_r: cap, res_r: MAX_RESULT}
         dropped = {out_r: 0, err_r: 0, res_r: 0}
@@ -531,19 +524,31 @@ class Worker:
         poller = select.poll()
         for fd in buffers:
             poller.register(fd, select.POLLIN)
-        poller.register(pidfd, select.POLLIN)
         poller.register(sock.fileno(), select.POLLIN)
         if stdin_data:
             os.set_blocking(stdin_w, False)
             poller.register(stdin_w, select.POLLOUT)
         timeout = step.get("timeout")
         idle = step.get("idle_timeout")
-        deadline = start + timeout if timeout else None
-        last_output = start
         timed_out = aborted = exited = False
         drain_until = 0.0
         status = 0
         open_fds = set(buffers)
+        start = time.monotonic()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = self.fork()
+        if pid == 0:  # the worker's ends of the pipes (all above GO_ON_FD) go with the child's closerange
+            self.child(step, cwd, env, (stdin_r, out_w, err_w, res_w), go_on_r)
+        for fd in (out_w, err_w, res_w, go_on_r):
+            if fd >= 0:
+                os.close(fd)
+        if stdin_data:
+            os.close(stdin_r)
+        pidfd = os.pidfd_open(pid)
+        poller.register(pidfd, select.POLLIN)
+        deadline = start + timeout if timeout else None
+        last_output = start
         while open_fds or not exited:
             now = time.monotonic()
             limits_at = [t for t in (deadline, idle and last_output + idle) if t]
@@ -953,6 +958,36 @@ def run_cell_ast(source: str, namespace: dict):  # noqa: ANN201
 # ------------------------------------------------------------------ main loop
 
 
+def warm_up() -> None:
+    """Run the Python path of a call's child here, once, on fixed inputs of the worker's own (compile and run
+    a cell and an entry, unpickle and call a function when cloudpickle is loaded, encode the results).
+
+    What a path initialises on its first use (caches, lazily made objects, first-call state of the compiler,
+    pickle and json) is then part of the image every call forks, instead of being made again, in pages
+    copied on write, by every call's child: ~40 page faults per call here. Nothing of a call is involved:
+    the inputs are constants and every object made is garbage before the worker serves its first call."""
+    specs: list[dict] = [
+        {"source": "1"},
+        {"source": "value = [1]\nvalue"},
+        {"source": "def entry(a, b=0):\n    return {'a': a, 'b': b}\n", "entry": "entry", "args": [1], "kwargs": {}},
+    ]
+    cloudpickle = sys.modules.get("cloudpickle")
+    if cloudpickle is not None:
+        arguments = b64(cloudpickle.dumps(((1,), {})))
+        specs.append({"pickle": b64(cloudpickle.dumps(lambda a: [a, 1.5, "x"])), "args": arguments})
+    null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for spec in specs:
+            try:
+                fn, args, kwargs = load_call(spec)
+                outcome = call_outcome(fn, args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - a warm-up that fails warms less; calls are unaffected
+                outcome = {"ok": False, "type": type(exc).__name__}
+            write_all(null, json.dumps(outcome).encode())
+    finally:
+        os.close(null)
+
+
 def release_free_memory() -> None:
     """Give the C heap's free pages back (malloc_trim): compiling this file and importing modules leave
     ~1.3 MB free but resident here, and every call's fork copies the page table entries of every resident
@@ -1034,6 +1069,7 @@ def main() -> None:
     if not in_sandbox:  # it kills every process it can see between calls: only ever inside a sandbox
         sys.exit("shoal function worker: refusing to run outside a shoal sandbox (PID 1 is not its agent)")
     path, uid, gid, modules = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+    os.environ.pop("LD_BIND_NOW", None)  # the node set it for the worker's own start (functions._boot), not calls'
     for extra in os.environ.get("SHOAL_FN_PATH", "").split(":"):
         if extra:
             sys.path.insert(0, extra)
@@ -1043,6 +1079,7 @@ def main() -> None:
             __import__(name)
         except Exception as exc:  # noqa: BLE001 - a missing module is reported, not fatal
             failed.append(f"{name} ({type(exc).__name__}: {exc})")
+    warm_up()
     gc.collect()
     gc.freeze()  # children never scan (and so never copy) the pages of what is imported now
     release_free_memory()
