@@ -919,10 +919,43 @@ async def test_exec_run_errors_before_the_start(agent: Agent, workdir: str) -> N
     with pytest.raises(AgentError, match="malformed") as refused:
         await ExecRun.start(agent.sock_path, malformed, stream=False)
     assert refused.value.errno == errno.EINVAL
+    # not waiting for the start (the node's exec without stdin): the refusal comes as the run's error, unstarted
+    run = await ExecRun.start(agent.sock_path, malformed, stream=False, on_start=lambda r: 1 / 0, wait_start=False)
+    try:
+        await finish(run, time.monotonic() + 30)
+    finally:
+        run.close()
+    assert isinstance(run.error, AgentError) and run.error.errno == errno.EINVAL
+    assert not run.started and run.exec_id is None and run.exit is None
+
+
+async def test_exec_run_names_the_exec_at_its_start_without_waking_the_waiter(agent: Agent) -> None:
+    """Without wait_start, exec_run returns before the pid; on_start runs (from the loop's callback) when the
+    pid comes, and a waiter is not woken by it: only by the exit (or its limit)."""
+    arg = unique_sleep_arg()
+    named: list[int] = []
+    run = await agent.client.exec_run(
+        ["sleep", arg], env=ENV, on_start=lambda r: named.append(r.handler_pid) or 7, wait_start=False
+    )
+    try:
+        assert not run.started and run.pid == 0
+        t = time.monotonic()
+        await run.wait(t + 1.0)  # not woken by the start: returns at its limit
+        assert time.monotonic() - t >= 0.99 and run.exit is None and run.error is None
+        deadline = time.monotonic() + 30
+        while not run.started and time.monotonic() < deadline:
+            await run.wait(time.monotonic() + 0.1)
+        assert run.pid > 0 and named == [run.handler_pid] and run.exec_id == 7
+        await run.kill(signal.SIGKILL)
+        await finish(run, time.monotonic() + 30)
+    finally:
+        run.close()
+    assert run.exit is not None and run.exit.signal == signal.SIGKILL
 
 
 async def exec_done(client: AgentClient, argv: list[str], stdin: bytes | None = None) -> object:
-    run = await client.exec_run(argv, env=ENV, stdin_pipe=stdin is not None)
+    """An exec as the node runs it: waiting for its start only when it has stdin to feed."""
+    run = await client.exec_run(argv, env=ENV, stdin_pipe=stdin is not None, wait_start=stdin is not None)
     try:
         if stdin is not None:
             await run.send(control_frames(stdin=stdin, eof=True))

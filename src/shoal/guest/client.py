@@ -22,8 +22,9 @@ import os
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from shoal.protocol import cut_marker
 
@@ -351,10 +352,25 @@ class ExecProcess:
         await self.close()
 
 
+class _Watch:
+    """What a connection to the agent is registered with in the loop's selector, once, when it is dialled: who
+    reads it (an exec's ExecRun, or the AgentClient watching it idle) changes by assigning `reader`, not by an
+    add_reader per exec (a Handle, a selector lookup and a namedtuple rebuilt, twice per exec: issue 12)."""
+
+    __slots__ = ("reader",)
+
+    def __init__(self, reader: Callable[[], None]) -> None:
+        self.reader = reader
+
+    def __call__(self) -> None:
+        self.reader()
+
+
 class ExecRun:
     """One command of the node's exec step, on a plain non-blocking socket that a reader callback of the
     event loop drains: every frame that arrived is parsed where it lands, output accumulates in place and
-    the step is woken once per event it cares about (the exit; a chunk to stream; its deadline).
+    the step is woken once per event it cares about (the exit; a chunk to stream; its deadline; the start
+    only for a caller that asked to wait for it).
 
     Why not ExecProcess: a transport, a StreamReader and a coroutine (plus a task in the node's loop) per
     frame cost the node more CPU than the rest of an exec step (issue 12, py-spy under bench_hotpath)."""
@@ -363,24 +379,31 @@ class ExecRun:
 
     def __init__(
         self,
-        sock: socket.socket,
         path: str,
+        request: bytes,
         stream: bool,
         keeper: AgentClient | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        on_start: Callable[[ExecRun], Any] | None = None,
     ) -> None:
-        self._sock, self._path, self._keeper = sock, path, keeper
+        self._path, self._request, self._keeper, self._on_start = path, request, keeper, on_start
+        self._sock: socket.socket | None = None
+        self._watch: _Watch | None = None
+        self._from_keeper = False  # sent on a kept connection: if that ends before the pid, send it on a new one
+        self._redial = False  # ... which `wait` does (it may have to wait for the connect)
         self._kept = False  # the exit frame said the agent's handler serves the next exec on this connection
         self._sending = False  # a frame may be half written: the connection cannot carry another exec
         # the caller's loop if it has it: each asyncio.get_running_loop() is a getpid() system call
         self._loop = loop or asyncio.get_running_loop()
         self._buf = bytearray()
-        self._started: asyncio.Future = self._loop.create_future()
         self._waiter: asyncio.Future | None = None
+        self._wake_on_start = False
         self._reading = self._closed = False
         self._registered = False  # the socket is in the loop's selector (this run's reader, or a keeper's watch)
+        self.started = False  # the agent answered with the pid: the command runs
         self.pid = 0
         self.handler_pid: int | None = None  # the exec's ID in `processes()` and `kill_processes(exec_id)`
+        self.exec_id: Any = None  # what `on_start` returned (the node's name for this exec)
         self.stdout, self.stderr = bytearray(), bytearray()
         self.chunks: list[tuple[str, bytes]] | None = [] if stream else None  # to stream, in order
         self.exit: ExitInfo | None = None
@@ -388,38 +411,78 @@ class ExecRun:
         self.last_output = time.monotonic()
 
     @classmethod
-    async def start(cls, path: str, request: bytes, stream: bool, keeper: AgentClient | None = None) -> ExecRun:
-        """Send `request` on a kept connection of `keeper`'s if one is alive, else on a new one. A kept
-        connection that ends before the pid came is dialled again: the agent starts a command only once its
-        pid is on the way (the handler of a kept connection can be killed from inside the sandbox)."""
+    async def start(
+        cls,
+        path: str,
+        request: bytes,
+        stream: bool,
+        keeper: AgentClient | None = None,
+        on_start: Callable[[ExecRun], Any] | None = None,
+        wait_start: bool = True,
+    ) -> ExecRun:
+        """Send `request` on a kept connection of `keeper`'s if one is alive, else on a new one; with
+        `wait_start`, return once the agent answered with the pid (raising its error, or ConnectionError, if it
+        did not start the command), else at once: `on_start` is then called from the loop's callback when the
+        pid comes, and the caller finds a failure to start as `error` with `started` False, after `wait`.
+        A kept connection that ends before the pid came is dialled again, by `wait` (the agent starts a
+        command only once its pid is on the way; the handler of a kept connection can be killed from inside
+        the sandbox), so that exec costs no loop pass and no task wake-up at its start (issue 12)."""
         loop = asyncio.get_running_loop()
         kept = keeper._take_kept(loop) if keeper is not None else None
-        while True:
-            sock = kept or await _dial(path)
-            run = cls(sock, path, stream, keeper, loop)
-            try:
-                # a kept connection is still registered, watched by its keeper: this replaces the callback
-                # (no syscall) before anything can arrive on it
-                loop.add_reader(sock.fileno(), run._readable)
-                run._registered = run._reading = True
-                run._sending = True
-                await _send_now(loop, sock, request)
-                run._sending = False
-                await run._started
-            except ConnectionError:
-                run.close()
-                if kept is None:
-                    raise
-                kept = None  # the kept connection was gone: dial a new one
-                continue
-            except BaseException:
-                run.close()
-                raise
-            return run
+        run = cls(path, request, stream, keeper, loop, on_start)
+        try:
+            if kept is not None:
+                try:
+                    await run._send_on(*kept)
+                except ConnectionError:
+                    run._drop_connection()
+                    kept = None  # the kept connection was gone: dial a new one
+            if kept is None:
+                await run._send_on(await _dial(path), None)
+            if wait_start:
+                run._wake_on_start = True
+                while not run.started and run.error is None:
+                    await run.wait(None)
+                if run.error is not None and not run.started:
+                    raise run.error
+        except BaseException:
+            run.close()
+            raise
+        return run
+
+    async def _send_on(self, sock: socket.socket, watch: _Watch | None) -> None:
+        """Send the request on `sock`, read by this run from now on (`watch`: it is a kept connection, still
+        registered with that watch, which this run's reader takes over before anything can arrive)."""
+        self._sock, self._from_keeper = sock, watch is not None
+        if watch is None:
+            watch = _Watch(self._readable)
+            self._loop.add_reader(sock.fileno(), watch)
+        else:
+            watch.reader = self._readable
+        self._watch = watch
+        self._registered = self._reading = True
+        self._sending = True
+        await _send_now(self._loop, sock, self._request)
+        self._sending = False
+
+    def _drop_connection(self) -> None:
+        self._stop_reading()
+        if self._sock is not None:
+            self._sock.close()
+
+    async def _send_again(self) -> None:
+        """The kept connection ended before the pid came: the request on a new connection."""
+        self._redial = False
+        self._buf.clear()
+        try:
+            await self._send_on(await _dial(self._path), None)
+        except ConnectionError as exc:
+            self._drop_connection()
+            self.error = exc
 
     def _readable(self) -> None:
         try:
-            data = self._sock.recv(self._RECV)
+            data = self._sock.recv(self._RECV)  # type: ignore[union-attr]
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -455,10 +518,14 @@ class ExecRun:
             self._kept = len(payload) > _EXIT.size and payload[_EXIT.size] == 1  # older agents: never
             self._reading = False  # still registered: close() hands a kept connection over as it is
             self._wake()
-        elif kind == ord("P") and not self._started.done():
+        elif kind == ord("P") and not self.started:
             self.pid = _U32.unpack_from(payload)[0]
             self.handler_pid = _U32.unpack_from(payload, 4)[0] if len(payload) >= 8 else None  # older agents
-            self._started.set_result(None)
+            self.started = True
+            if self._on_start is not None:
+                self.exec_id = self._on_start(self)
+            if self._wake_on_start:
+                self._wake()
         elif kind == ord("Q"):  # the output cap cut the middle of a stream; its tail follows
             stream, omitted = _CUT.unpack_from(payload)
             marker = cut_marker(omitted)
@@ -471,26 +538,29 @@ class ExecRun:
             self._fail(AgentError(_errno.EPROTO, f"unexpected frame {chr(kind)!r} from agent"))
 
     def _fail(self, exc: BaseException) -> None:
-        self._stop_reading()
-        if not self._started.done():
-            self._started.set_exception(exc)
-            return
-        self.error = exc
+        if not self.started and self._from_keeper and isinstance(exc, ConnectionError) and not self._closed:
+            self._drop_connection()  # a kept connection's handler that went away: `wait` sends it anew
+            self._redial = True
+        else:
+            self._stop_reading()
+            self.error = exc
         self._wake()
 
     def _stop_reading(self) -> None:
         self._reading = False
         if self._registered:
             self._registered = False
-            self._loop.remove_reader(self._sock.fileno())
+            self._loop.remove_reader(self._sock.fileno())  # type: ignore[union-attr]
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     async def wait(self, limit: float | None) -> None:
-        """Return once the command exited or the connection broke (`exit`, `error`), a chunk waits in
-        `chunks`, or time.monotonic() reached `limit`."""
+        """Return once the command exited or the connection broke (`exit`, `error`: before the start if
+        `started` is still False), a chunk waits in `chunks`, or time.monotonic() reached `limit`."""
+        while self._redial and not self._closed:
+            await self._send_again()
         if self.exit is not None or self.error is not None or self.chunks:
             return
         self._waiter = waiter = self._loop.create_future()
@@ -501,13 +571,15 @@ class ExecRun:
             self._waiter = None
             if timer is not None:
                 timer.cancel()
+        while self._redial and not self._closed:
+            await self._send_again()
 
     async def send(self, frames: bytes) -> None:
         """Frames to the command (control_frames: stdin, close stdin, a signal); dropped once it has exited
         (its exit frame may arrive before the node fed it stdin)."""
         if self.exit is not None:
             return
-        if self._closed:
+        if self._closed or self._sock is None:
             raise BrokenPipeError("the command's connection is closed")
         self._sending = True
         try:
@@ -529,11 +601,10 @@ class ExecRun:
             self._closed = True
             self._reading = False
             clean = self._kept and self.error is None and not self._buf and not self._sending and self._registered
-            if clean and self._keeper is not None and self._keeper._keep(self._sock, self._loop):
+            if clean and self._keeper is not None and self._keeper._keep(self._sock, self._loop, self._watch):
                 self._registered = False  # the keeper watches it now
                 return
-            self._stop_reading()
-            self._sock.close()
+            self._drop_connection()
 
 
 def _set_none(future: asyncio.Future) -> None:
@@ -698,31 +769,31 @@ class AgentClient:
     the next (its handler forked ahead, waiting for its first request); close() closes them.
 
     An idle kept connection stays in the event loop's selector, watched by `_idle` (its handler ended, or
-    sent what nobody asked for: it is closed): the next exec takes it over by replacing the callback, with
-    no epoll_ctl either way and no MSG_PEEK probe per exec (issue 12). An EOF the loop has not seen yet
-    shows as a send error or an EOF before the pid, and the exec dials again (ExecRun.start)."""
+    sent what nobody asked for: it is closed): the next exec takes it over by pointing its _Watch at its own
+    reader, with no epoll_ctl, add_reader or MSG_PEEK probe per exec (issue 12). An EOF the loop has not seen
+    yet shows as a send error or an EOF before the pid, and the exec dials again (ExecRun.start, .wait)."""
 
     KEEP = 2
 
     def __init__(self, socket_path: str) -> None:
         self.socket_path = socket_path
-        self._kept: list[tuple[socket.socket, asyncio.AbstractEventLoop]] = []  # watched in that loop
+        self._kept: list[tuple[socket.socket, asyncio.AbstractEventLoop, _Watch]] = []  # watched in that loop
         self._spare: socket.socket | None = None
         self._closed = False
 
-    def _take_kept(self, loop: asyncio.AbstractEventLoop | None = None) -> socket.socket | None:
-        """A kept connection (still registered in this loop's selector), or None."""
+    def _take_kept(self, loop: asyncio.AbstractEventLoop | None = None) -> tuple[socket.socket, _Watch] | None:
+        """A kept connection (still registered in this loop's selector) and its watch, or None."""
         loop = loop or asyncio.get_running_loop()
         while self._kept:
-            sock, owner = self._kept.pop()
+            sock, owner, watch = self._kept.pop()
             if owner is loop:
-                return sock
+                return sock, watch
             _unwatch(sock, owner)
         return None
 
     def _idle(self, sock: socket.socket) -> None:
         """A kept connection became readable while idle: its handler is gone (EOF) or out of step."""
-        for i, (kept, owner) in enumerate(self._kept):
+        for i, (kept, owner, _) in enumerate(self._kept):
             if kept is sock:
                 del self._kept[i]
                 _unwatch(sock, owner)
@@ -755,12 +826,12 @@ class AgentClient:
             return
         self._spare = sock
 
-    def _keep(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> bool:
-        """Keep `sock` (registered in `loop`'s selector) for the next exec."""
+    def _keep(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, watch: _Watch) -> bool:
+        """Keep `sock` (registered in `loop`'s selector with `watch`) for the next exec."""
         if self._closed or len(self._kept) >= self.KEEP:
             return False
-        loop.add_reader(sock.fileno(), self._idle, sock)  # replaces the run's callback: no syscall
-        self._kept.append((sock, loop))
+        watch.reader = lambda: self._idle(sock)
+        self._kept.append((sock, loop, watch))
         return True
 
     def close(self) -> None:
@@ -771,7 +842,7 @@ class AgentClient:
         if self._spare is not None:
             self._spare.close()
             self._spare = None
-        for sock, owner in kept:
+        for sock, owner, _ in kept:
             _unwatch(sock, owner)
 
     async def _request(self, kind: bytes, payload: bytes, conn_type: type = _Conn) -> _Conn:
@@ -876,11 +947,15 @@ class AgentClient:
         stdin_pipe: bool = False,
         merge_stderr: bool = False,
         stream: bool = False,
+        on_start: Callable[[ExecRun], Any] | None = None,
+        wait_start: bool = True,
     ) -> ExecRun:
-        """Start ``argv`` once the agent answered with its pid; the output accumulates in the ExecRun (and
-        in its `chunks` too if `stream`). The caller waits on it (ExecRun.wait) and closes it."""
+        """Start ``argv``: return once the agent answered with its pid, or with `wait_start` False once the
+        request is sent (`on_start(run)` runs when the pid comes, its result kept in `run.exec_id`; a failure
+        to start shows after `wait` as `run.error` with `run.started` False). The output accumulates in the
+        ExecRun (and in its `chunks` too if `stream`). The caller waits on it (ExecRun.wait) and closes it."""
         payload = _exec_payload(argv, env, cwd, uid, gid, cap_bytes, stdin_pipe, merge_stderr, EXEC_KEEP_CONN)
-        return await ExecRun.start(self.socket_path, _frame(b"E", payload), stream, self)
+        return await ExecRun.start(self.socket_path, _frame(b"E", payload), stream, self, on_start, wait_start)
 
     async def background(
         self,

@@ -19,7 +19,7 @@ import tarfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 
@@ -862,8 +862,11 @@ class NodeService:
         uid, gid = (await self._resolve_user(sandbox, req.user)) if req.user else (sandbox.uid, sandbox.gid)
         cap = req.output_cap_bytes or sandbox.spec.output_cap_bytes or self.settings.output_cap_bytes
         ooms = sandbox.oom_kills() if sandbox.spec.memory_mb else 0
+        command = req.cmd if isinstance(req.cmd, str) else " ".join(req.cmd)
         start = time.monotonic()
         try:
+            # Without stdin to feed, the step is not woken at the command's start, only at its end (a loop pass
+            # fewer per exec, issue 12): the exec is named (processes(), kill_processes) from the loop's callback.
             run = await sandbox.agent.exec_run(
                 argv,
                 env={**sandbox.env, **req.env},
@@ -874,25 +877,11 @@ class NodeService:
                 stdin_pipe=req.stdin is not None,
                 merge_stderr=req.merge_stderr,
                 stream=emit is not None and req.stream,
+                on_start=lambda run: sandbox.exec_started(run.handler_pid, command),
+                wait_start=req.stdin is not None,
             )
-        except (ConnectionError, OSError) as exc:
-            if isinstance(exc, OSError) and exc.errno == errno.EAGAIN:
-                raise CapacityError(
-                    f"sandbox {sandbox.id} could not start the command: {exc.strerror or exc}; its pids limit is "
-                    f"{sandbox.spec.pids}"
-                ) from None
-            if isinstance(exc, AgentError):
-                raise
-            if not isinstance(exc, (ConnectionError, FileNotFoundError)) or not await self._agent_alive(sandbox):
-                raise await self._lost(sandbox, exc) from exc
-            current = cgroups.pids_current(sandbox.instance.cgroup_path)
-            if sandbox.spec.pids and current is not None and current >= sandbox.spec.pids - 2:
-                raise CapacityError(  # the agent's handler could not fork either: say why
-                    f"sandbox {sandbox.id} could not start the command: it holds {current} tasks and its pids "
-                    f"limit is {sandbox.spec.pids}; wait for processes to exit or kill them"
-                ) from None
-            raise CapacityError(f"sandbox {sandbox.id} dropped the command before it started: {exc}") from None
-        exec_id = sandbox.exec_started(run.handler_pid, req.cmd if isinstance(req.cmd, str) else " ".join(req.cmd))
+        except OSError as exc:  # ConnectionError is one
+            await self._start_failed(sandbox, exc)
         timed_out = killed_inside = False
         try:
             if req.stdin is not None:
@@ -908,6 +897,8 @@ class NodeService:
                 if run.exit is not None:
                     break
                 if run.error is not None:
+                    if not run.started:  # it did not start: below, once the connection is closed
+                        break
                     raise run.error
                 if kill_deadline is not None:
                     limit: float | None = kill_deadline
@@ -931,6 +922,8 @@ class NodeService:
             killed_inside = True
         finally:
             run.close()
+        if isinstance(run.error, OSError) and not run.started:
+            await self._start_failed(sandbox, run.error)
         exit_info = None if killed_inside else run.exit
         oom = bool(sandbox.spec.memory_mb) and sandbox.oom_kills() > ooms
         return ExecResult(
@@ -944,8 +937,27 @@ class NodeService:
             oom_killed=oom,
             stdout_omitted=exit_info.stdout_dropped if exit_info else 0,
             stderr_omitted=exit_info.stderr_dropped if exit_info else 0,
-            exec_id=exec_id,
+            exec_id=run.exec_id,
         )
+
+    async def _start_failed(self, sandbox: Sandbox, exc: OSError) -> NoReturn:
+        """Raise what an exec that the sandbox did not start (`exc`: how its request failed) answers."""
+        if exc.errno == errno.EAGAIN:
+            raise CapacityError(
+                f"sandbox {sandbox.id} could not start the command: {exc.strerror or exc}; its pids limit is "
+                f"{sandbox.spec.pids}"
+            ) from None
+        if isinstance(exc, AgentError):
+            raise exc
+        if not isinstance(exc, (ConnectionError, FileNotFoundError)) or not await self._agent_alive(sandbox):
+            raise await self._lost(sandbox, exc) from exc
+        current = cgroups.pids_current(sandbox.instance.cgroup_path)
+        if sandbox.spec.pids and current is not None and current >= sandbox.spec.pids - 2:
+            raise CapacityError(  # the agent's handler could not fork either: say why
+                f"sandbox {sandbox.id} could not start the command: it holds {current} tasks and its pids "
+                f"limit is {sandbox.spec.pids}; wait for processes to exit or kill them"
+            ) from None
+        raise CapacityError(f"sandbox {sandbox.id} dropped the command before it started: {exc}") from None
 
     # ---------------------------------------------------------------- files
 
