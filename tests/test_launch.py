@@ -1,7 +1,8 @@
 """A container start's fixed costs (issue 12): the runtime run from one sealed copy, cgroup joins without an
 RCU wait, the seccomp filter compiled once. Their speed is measured in bench/ (bench_hotpath_ab.py --only
 create,conc); these check that each keeps what it must: the runtime's copy can never be written, the host's
-cgroup mount keeps its options, the precompiled filter is the very program crun makes of the profile."""
+cgroup mount keeps its options, the precompiled filter answers every syscall as the program crun makes of
+the profile does."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import fcntl
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -21,7 +23,15 @@ import pytest
 
 from shoal import cgroups, spawn
 from shoal.substrates.container.runtime import SEALS, OciRuntime, sealed_copy
-from shoal.substrates.container.seccomp import seccomp_bpf_base64
+from shoal.substrates.container.seccomp import (
+    CLONE_NAMESPACE_FLAGS,
+    DENIED_SYSCALLS,
+    PTRACE_ATTACH,
+    PTRACE_SEIZE,
+    compile_bpf,
+    seccomp_bpf_base64,
+    seccomp_profile,
+)
 
 
 def test_the_runtimes_sealed_copy_runs_and_cannot_be_written(tmp_path: Path) -> None:
@@ -137,6 +147,67 @@ def _seccomp_filter(pid: int) -> bytes:
         libc.ptrace(17, pid, None, None)  # PTRACE_DETACH
 
 
+# The architectures the profile names (AUDIT_ARCH_*), and the arguments its rules look at: every namespace
+# flag of clone, alone and together, and ptrace's requests, each beside values that differ in one bit
+_AUDIT_ARCHES = (0xC000003E, 0x40000003, 0x4000003E)
+_ARGUMENTS = sorted(
+    {0, 1, 0x11, 0xFFFFFFFF, 0xFFFFFFFFFFFFFFFF, sum(CLONE_NAMESPACE_FLAGS.values())}
+    | {v ^ bit for v in (*CLONE_NAMESPACE_FLAGS.values(), PTRACE_ATTACH, PTRACE_SEIZE) for bit in (0, 1, 1 << 32)}
+)
+
+
+def _run_bpf(program: bytes, nr: int, arch: int, arg: int) -> tuple[int, bool]:
+    """What classic BPF seccomp `program` answers for syscall `nr` of `arch` with every argument `arg`, and
+    whether it looked at an argument: the instructions libseccomp emits (loads of seccomp_data words, AND,
+    JEQ/JGT/JGE/JSET, RET); any other fails the test."""
+    words = struct.pack("<iI", nr, arch) + b"\0" * 8 + struct.pack("<Q", arg) * 6  # nr, arch, ip, args[6]
+    acc, pc, looked = 0, 0, False
+    while True:
+        code, jt, jf, k = struct.unpack_from("<HBBI", program, pc * 8)
+        pc += 1
+        if code == 0x20:  # BPF_LD | BPF_W | BPF_ABS
+            acc, looked = struct.unpack_from("<I", words, k)[0], looked or k >= 16
+        elif code == 0x54:  # BPF_ALU | BPF_AND | BPF_K
+            acc &= k
+        elif code in (0x15, 0x25, 0x35, 0x45):  # BPF_JMP | JEQ, JGT, JGE, JSET with K
+            taken = {0x15: acc == k, 0x25: acc > k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
+            pc += jt if taken else jf
+        elif code == 0x05:  # BPF_JMP | BPF_JA
+            pc += k
+        elif code == 0x06:  # BPF_RET | BPF_K
+            return k, looked
+        else:
+            raise AssertionError(f"instruction {code:#x} at {pc - 1}: not one libseccomp emits")
+
+
+def _assert_same_answers(ours: bytes, reference: bytes) -> int:
+    """Both filters answer alike for every syscall number of every architecture (x32's have bit 30 set), with
+    every argument value of _ARGUMENTS where either looks at an argument; how many answers refuse."""
+    refused = 0
+    for arch in _AUDIT_ARCHES:
+        for nr in [*range(-1, 1100), *range(0x40000000, 0x40000400)]:
+            (answer, looked), (expected, looked_there) = _run_bpf(ours, nr, arch, 0), _run_bpf(reference, nr, arch, 0)
+            assert answer == expected, (hex(arch), nr)
+            for arg in _ARGUMENTS if looked or looked_there else ():
+                answer, expected = _run_bpf(ours, nr, arch, arg)[0], _run_bpf(reference, nr, arch, arg)[0]
+                assert answer == expected, (hex(arch), nr, hex(arg))
+                refused += answer != 0x7FFF0000
+            refused += answer != 0x7FFF0000
+    return refused
+
+
+def test_the_filter_decides_as_a_linear_one_and_is_a_tree() -> None:
+    """No host needed: the precompiled filter (syscall numbers in a binary tree, a cheaper load) answers as
+    libseccomp's linear list of the same profile (crun's layout) for every syscall of every architecture."""
+    tree = base64.b64decode(seccomp_bpf_base64() or "")
+    linear = compile_bpf(seccomp_profile(), optimize=False)
+    assert tree != linear
+    assert _assert_same_answers(tree, linear) > 3 * len(DENIED_SYSCALLS)  # refuses on every architecture
+    assert _run_bpf(tree, 165, 0xC000003E, 0) == (0x00050001, False)  # mount: EPERM
+    assert _run_bpf(tree, 56, 0xC000003E, CLONE_NAMESPACE_FLAGS["CLONE_NEWUSER"]) == (0x00050001, True)
+    assert _run_bpf(tree, 56, 0xC000003E, 0x11) == (0x7FFF0000, True)  # clone without namespaces: allowed
+
+
 def test_the_precompiled_filter_is_the_one_crun_compiles_from_the_profile(tmp_path: Path) -> None:
     bpf = seccomp_bpf_base64()
     assert bpf, "libseccomp (crun's own dependency) compiles the profile"
@@ -158,7 +229,9 @@ def test_the_precompiled_filter_is_the_one_crun_compiles_from_the_profile(tmp_pa
         while Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] != b"/busybox":
             assert time.monotonic() < deadline, "the container never started"
             time.sleep(0.01)
-        assert _seccomp_filter(pid) == base64.b64decode(bpf)
+        crun_filter, ours = _seccomp_filter(pid), base64.b64decode(bpf)
+        assert crun_filter == compile_bpf(seccomp_profile(), optimize=False)  # crun's linear list
+        _assert_same_answers(ours, crun_filter)  # and ours, a tree, answers every syscall as crun's does
     finally:
         if proc.stdin is not None:
             proc.stdin.close()
