@@ -114,6 +114,9 @@ def test_the_launcher_makes_the_next_sandbox_init_ahead_and_it_ends_with_the_lau
             assert _ns(spare, "mnt") == _ns(launcher_pid, "mnt")  # made at the create, from the mounts then
             # it waits in a cgroup made for the next sandbox (renamed to the sandbox's by the create)
             _until(lambda: f"/{node.cgroup_parent}/.spare-{launcher_pid}-" in Path(f"/proc/{spare}/cgroup").read_text())
+            # and holds its sandbox's /sys, /proc and /dev (devpts, shm, mqueue) made while it waited: detached
+            # mounts, moved into its root at the create
+            _until(lambda: {"sysfs", "proc", "tmpfs", "devpts", "mqueue"} <= _held_filesystems(spare))
             # the image's layer was unmounted with the first sandbox and is mounted again after the spare was
             # made: the spare's mount namespace, made at the create, has it
             with (
@@ -162,6 +165,12 @@ def test_the_launcher_makes_the_next_sandbox_init_ahead_and_it_ends_with_the_lau
 
 def _ns(pid: int, kind: str) -> str:
     return os.readlink(f"/proc/{pid}/ns/{kind}")
+
+
+def _held_filesystems(pid: int) -> set[str]:
+    """The filesystem types of what `pid` holds open (`stat -f`: a detached mount is in no mount table)."""
+    fds = [str(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+    return set(subprocess.run(["stat", "-f", "-c", "%T", *fds], capture_output=True, text=True).stdout.split())
 
 
 def test_each_sandbox_gets_its_own_limits_whatever_the_spare_was_made_with(

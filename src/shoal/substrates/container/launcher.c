@@ -131,19 +131,6 @@ static void mount_or_fail(const char *src, const char *root, const char *dest, c
     if (mount(src, target, type, flags, data) < 0) fail("mount", target);
 }
 
-static void make_dev(const char *root, const char *name, int major, int minor) {
-    char path[4096];
-    join(path, sizeof path, root, name);
-    if (mknod(path, S_IFCHR | 0666, makedev(major, minor)) < 0) fail("mknod", path);
-    if (chmod(path, 0666) < 0) fail("chmod", path);
-}
-
-static void make_link(const char *root, const char *target, const char *name) {
-    char path[4096];
-    join(path, sizeof path, root, name);
-    if (symlink(target, path) < 0) fail("symlink", path);
-}
-
 static int empty_fd = -1; /* a detached read-only bind of conf.empty (child, until the first masked directory) */
 
 static void mask_path(const char *root, const char *p) {
@@ -205,6 +192,127 @@ static void mkdir_p(const char *path) {
 static int ahead_sysfs = -1; /* a spare's sysfs mount, made while it waited */
 static int ahead_lo;          /* a spare's loopback, brought up while it waited */
 
+#define HOSTNAME "sandbox" /* what a request names unless it says otherwise (fill_request): set ahead */
+
+/* A new filesystem of `type`, as a detached mount (not in any namespace's tree until moved there): source
+ * `source`, then `opts` as key/value pairs (a NULL value: a flag) up to a NULL key, mount attributes `attrs`.
+ * The mount's fd, or -1 (errno set) */
+static int detached_fs(const char *type, const char *source, const char *const *opts, unsigned attrs) {
+    int fs = fsopen(type, FSOPEN_CLOEXEC), mnt = -1;
+    if (fs < 0) return -1;
+    int ok = fsconfig(fs, FSCONFIG_SET_STRING, "source", source, 0) == 0;
+    for (; ok && opts && opts[0]; opts += 2)
+        ok = (opts[1] ? fsconfig(fs, FSCONFIG_SET_STRING, opts[0], opts[1], 0)
+                      : fsconfig(fs, FSCONFIG_SET_FLAG, opts[0], NULL, 0)) == 0;
+    if (ok && fsconfig(fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) == 0) mnt = fsmount(fs, FSMOUNT_CLOEXEC, attrs);
+    int saved = errno;
+    close(fs);
+    errno = saved;
+    return mnt;
+}
+
+/* A detached private copy of the host's mount at `path` with `attr`; -1 (errno set) */
+static int detached_bind(const char *path, struct mount_attr *attr) {
+    int fd = open_tree(AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+    if (fd < 0) return -1;
+    attr->propagation = MS_PRIVATE; /* not a peer of the host's mount, as a bind made in the sandbox's namespace */
+    if (mount_setattr(fd, "", AT_EMPTY_PATH, attr, sizeof *attr) < 0) {
+        int saved = errno;
+        close(fd);
+        errno = saved;
+        return -1;
+    }
+    return fd;
+}
+
+/* What a sandbox's init does that needs no request, made by a spare while it waits (else at the start of a
+ * child cloned on the spot). Why (issue 12): these were ~45 of the ~130 system calls between a create's
+ * request and the agent's exec, each a world switch on this host; mqueue's mount also walks every mqueue
+ * superblock on the host (one per sandbox) to find its IPC namespace's. The mounts are made detached
+ * (fsopen/fsmount, open_tree), before the sandbox's mount namespace exists, and moved into its tree after
+ * pivot_root (attach); nothing of the host's is reachable from them (/dev is a tmpfs of the sandbox's own,
+ * proc and mqueue are its PID and IPC namespaces', the agent's and the masks' binds are private copies). The
+ * capability bounding set is dropped here too: the capabilities the steps below use stay effective until
+ * capset, and only an exec reads the bounding set. NULL, or the step that failed (errno set) */
+static struct {
+    int agent, empty, proc, dev, pts, shm, mqueue;
+} early = {-1, -1, -1, -1, -1, -1, -1};
+static const char *const DEV_OPTS[] = {"mode", "755", "size", "65536k", NULL};
+static const char *const PTS_OPTS[] = {"newinstance", NULL, "ptmxmode", "0666", "mode", "0620", NULL};
+static const char *const SHM_OPTS[] = {"mode", "1777", "size", "65536k", NULL};
+static const struct {
+    const char *name;
+    int major, minor;
+} DEVICES[] = {{"null", 1, 3}, {"zero", 1, 5}, {"full", 1, 7}, {"random", 1, 8}, {"urandom", 1, 9}, {"tty", 5, 0}};
+static const char *const LINKS[][2] = {{"pts/ptmx", "ptmx"}, {"/proc/self/fd", "fd"}, {"/proc/self/fd/0", "stdin"},
+                                       {"/proc/self/fd/1", "stdout"}, {"/proc/self/fd/2", "stderr"},
+                                       {"/proc/kcore", "core"}};
+
+static const char *prepare(void) {
+    const unsigned hidden = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC | MOUNT_ATTR_NODEV;
+    if (setsid() < 0) return "setsid";
+    /* the host's agent binary, attached at /.shoal/agent; the masks' empty directory, read-only as crun's
+     * masking tmpfs (relatime: its options, whatever the node's filesystem has) */
+    struct mount_attr agent = {.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV};
+    if ((early.agent = detached_bind(conf.agent, &agent)) < 0) return "agent bind";
+    struct mount_attr ro = {.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_RELATIME, .attr_clr = MOUNT_ATTR__ATIME};
+    if (conf.empty[0] && (early.empty = detached_bind(conf.empty, &ro)) < 0) return "empty bind";
+    /* as crun mounts them: proc, a /dev tmpfs with crun's devices and links, devpts, shm, mqueue */
+    if ((early.proc = detached_fs("proc", "proc", NULL, hidden)) < 0) return "proc";
+    if ((early.dev = detached_fs("tmpfs", "tmpfs", DEV_OPTS, MOUNT_ATTR_NOSUID | MOUNT_ATTR_STRICTATIME)) < 0)
+        return "/dev";
+    for (size_t i = 0; i < sizeof DEVICES / sizeof *DEVICES; i++) {
+        if (mknodat(early.dev, DEVICES[i].name, S_IFCHR | 0666, makedev(DEVICES[i].major, DEVICES[i].minor)) < 0 ||
+            fchmodat(early.dev, DEVICES[i].name, 0666, 0) < 0)
+            return "mknod";
+    }
+    for (size_t i = 0; i < sizeof LINKS / sizeof *LINKS; i++)
+        if (symlinkat(LINKS[i][0], early.dev, LINKS[i][1]) < 0) return "symlink";
+    if (mkdirat(early.dev, "pts", 0755) < 0 || mkdirat(early.dev, "shm", 0755) < 0 ||
+        mkdirat(early.dev, "mqueue", 0755) < 0)
+        return "mkdir /dev";
+    if ((early.pts = detached_fs("devpts", "devpts", PTS_OPTS, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC)) < 0)
+        return "devpts";
+    if ((early.shm = detached_fs("tmpfs", "shm", SHM_OPTS, hidden)) < 0) return "shm";
+    if ((early.mqueue = detached_fs("mqueue", "mqueue", NULL, hidden)) < 0) return "mqueue";
+    if (sethostname(HOSTNAME, strlen(HOSTNAME)) < 0) return "sethostname";
+    struct rlimit rl = {conf.nofile, conf.nofile};
+    if (setrlimit(RLIMIT_NOFILE, &rl) < 0) return "setrlimit NOFILE";
+    /* the agent outlives its sandbox's OOM kills; as the node does for crun, only where allowed (a host
+     * without CAP_SYS_RESOURCE refuses it) */
+    int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        (void)!write(fd, "-1000", 5);
+        close(fd);
+    }
+    for (int cap = 0; cap <= conf.capmax; cap++)
+        if (!(conf.caps & (1ULL << cap)) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0) return "drop capability";
+    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL) return "clear ambient";
+    return NULL;
+}
+
+static int prepared;                /* prepare() ran (a spare: while it waited) */
+static const char *prepare_failed; /* and what failed, reported at the create */
+static int prepare_errno;
+
+static void prepare_now(void) {
+    prepare_failed = prepare();
+    prepare_errno = errno;
+    prepared = 1;
+}
+
+/* Attach a detached mount made ahead at `path` in the sandbox's tree (made if missing) */
+static void attach(int *fd, const char *path) {
+    if (move_mount(*fd, "", AT_FDCWD, path, MOVE_MOUNT_F_EMPTY_PATH) < 0) {
+        if (errno != ENOENT || mkdir(path, 0755) < 0 ||
+            move_mount(*fd, "", AT_FDCWD, path, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+            fail("move_mount", path);
+    }
+    close(*fd);
+    *fd = -1;
+}
+
+
 /* The new network namespace's loopback up, as crun brings it up: localhost works inside (servers and their
  * clients in one sandbox, a kernel and its client) while nothing reaches outside without a network policy.
  * 0, or the step that failed (its errno set) */
@@ -234,24 +342,17 @@ static void child(const struct request *r, int sync_fd, int listen_fd, int log_f
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
-    if (setsid() < 0) fail("setsid", NULL);
+    if (!prepared) prepare_now();
+    if (prepare_failed) {
+        errno = prepare_errno;
+        fail(prepare_failed, NULL);
+    }
+    empty_fd = early.empty;
     const char *lo_failed = ahead_lo ? NULL : loopback_up();
     if (lo_failed) fail(lo_failed, "lo");
     if (unshare(CLONE_NEWCGROUP) < 0) fail("unshare", "cgroup"); /* rooted at the sandbox's cgroup */
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0) fail("make private", "/");
     if (mount("overlay", r->rootfs, "overlay", 0, r->overlay) < 0) fail("mount overlay", r->rootfs);
-    /* the host's agent binary as a detached read-only mount, attached at /.shoal/agent below */
-    int agent_fd = open_tree(AT_FDCWD, conf.agent, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
-    if (agent_fd < 0) fail("open_tree", conf.agent);
-    struct mount_attr attr = {.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV};
-    if (mount_setattr(agent_fd, "", AT_EMPTY_PATH, &attr, sizeof attr) < 0) fail("mount_setattr", conf.agent);
-    if (conf.empty[0]) { /* the masks' directory, taken before the host's tree is out of reach; read-only as
-                          * crun's masking tmpfs (relatime: its options, whatever the node's filesystem has) */
-        empty_fd = open_tree(AT_FDCWD, conf.empty, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
-        if (empty_fd < 0) fail("open_tree", conf.empty);
-        struct mount_attr ro = {.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_RELATIME, .attr_clr = MOUNT_ATTR__ATIME};
-        if (mount_setattr(empty_fd, "", AT_EMPTY_PATH, &ro, sizeof ro) < 0) fail("mount_setattr", conf.empty);
-    }
     /* pivot_root first, so that every path made or mounted on from here is resolved inside the sandbox's own
      * root: a symlink the image planted (/dev -> /etc, /.shoal -> /root) leads nowhere outside it (the host's
      * root is detached), where before the pivot it would lead into the host's tree */
@@ -259,12 +360,11 @@ static void child(const struct request *r, int sync_fd, int listen_fd, int log_f
     if (syscall(SYS_pivot_root, ".", ".") < 0) fail("pivot_root", r->rootfs);
     if (umount2(".", MNT_DETACH) < 0) fail("umount", "old root");
     if (chdir("/") < 0) fail("chdir", "/");
-    mount_or_fail("proc", root, "/proc", "proc", MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
-    mount_or_fail("tmpfs", root, "/dev", "tmpfs", MS_NOSUID | MS_STRICTATIME, "mode=755,size=65536k");
-    mount_or_fail("devpts", root, "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
-                  "newinstance,ptmxmode=0666,mode=0620");
-    mount_or_fail("shm", root, "/dev/shm", "tmpfs", MS_NOSUID | MS_NOEXEC | MS_NODEV, "mode=1777,size=65536k");
-    mount_or_fail("mqueue", root, "/dev/mqueue", "mqueue", MS_NOSUID | MS_NOEXEC | MS_NODEV, NULL);
+    attach(&early.proc, "/proc");
+    attach(&early.dev, "/dev");
+    attach(&early.pts, "/dev/pts");
+    attach(&early.shm, "/dev/shm");
+    attach(&early.mqueue, "/dev/mqueue");
     if (ahead_sysfs >= 0) { /* a spare's, made ahead in its network namespace (see spare_wait) */
         if (mkdir("/sys", 0755) < 0 && errno != EEXIST) fail("mkdir", "/sys");
         if (move_mount(ahead_sysfs, "", AT_FDCWD, "/sys", MOVE_MOUNT_F_EMPTY_PATH) < 0) fail("move_mount", "/sys");
@@ -280,26 +380,11 @@ static void child(const struct request *r, int sync_fd, int listen_fd, int log_f
         if (made < 0) fail("create", "/.shoal/agent");
         close(made);
     }
-    int fd;
-    if (move_mount(agent_fd, "", AT_FDCWD, "/.shoal/agent", MOVE_MOUNT_F_EMPTY_PATH) < 0)
-        fail("move_mount", "/.shoal/agent");
-    close(agent_fd);
+    attach(&early.agent, "/.shoal/agent");
     for (int i = 0; i < r->ntmpfs; i++) { /* sandbox root owns them; what is written counts as its memory */
         mkdir_p(r->tmpfs[i]);
         if (mount("tmpfs", r->tmpfs[i], "tmpfs", MS_NOSUID | MS_NODEV, "mode=755") < 0) fail("mount", r->tmpfs[i]);
     }
-    make_dev(root, "/dev/null", 1, 3);
-    make_dev(root, "/dev/zero", 1, 5);
-    make_dev(root, "/dev/full", 1, 7);
-    make_dev(root, "/dev/random", 1, 8);
-    make_dev(root, "/dev/urandom", 1, 9);
-    make_dev(root, "/dev/tty", 5, 0);
-    make_link(root, "pts/ptmx", "/dev/ptmx");
-    make_link(root, "/proc/self/fd", "/dev/fd");
-    make_link(root, "/proc/self/fd/0", "/dev/stdin");
-    make_link(root, "/proc/self/fd/1", "/dev/stdout");
-    make_link(root, "/proc/self/fd/2", "/dev/stderr");
-    make_link(root, "/proc/kcore", "/dev/core");
     for (int i = 0; i < conf.nmask; i++) mask_path(root, conf.mask[i]);
     for (int i = 0; i < conf.nro; i++) readonly_path(root, conf.ro[i]);
     /* stdio as crun gives it: stdin /dev/null, stdout+stderr the log; fd 3 the agent's listening socket */
@@ -311,19 +396,8 @@ static void child(const struct request *r, int sync_fd, int listen_fd, int log_f
     if (dup2(hi_null, 0) < 0 || dup2(hi_log, 1) < 0 || dup2(hi_log, 2) < 0 || dup2(hi_listen, SOCK_FD) < 0)
         fail("dup2", NULL);
     if (syscall(SYS_close_range, 4, ~0U, 4 /* CLOSE_RANGE_CLOEXEC */) < 0) fail("close_range", NULL);
-    if (sethostname(r->hostname, strlen(r->hostname)) < 0) fail("sethostname", r->hostname);
-    struct rlimit rl = {conf.nofile, conf.nofile};
-    if (setrlimit(RLIMIT_NOFILE, &rl) < 0) fail("setrlimit", "NOFILE");
-    /* the agent outlives its sandbox's OOM kills; as the node does for crun, only where allowed (a host
-     * without CAP_SYS_RESOURCE refuses it) */
-    fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
-    if (fd >= 0) {
-        (void)!write(fd, "-1000", 5);
-        close(fd);
-    }
-    for (int cap = 0; cap <= conf.capmax; cap++)
-        if (!(conf.caps & (1ULL << cap)) && prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0) fail("drop capability", NULL);
-    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL) fail("clear ambient", NULL);
+    if (strcmp(r->hostname, HOSTNAME) && sethostname(r->hostname, strlen(r->hostname)) < 0)
+        fail("sethostname", r->hostname);
     struct __user_cap_header_struct head = {_LINUX_CAPABILITY_VERSION_3, 0};
     struct __user_cap_data_struct data[2] = {{0}};
     data[0].effective = data[0].permitted = (uint32_t)conf.caps;
@@ -530,10 +604,10 @@ static const char *join_cgroup(const struct request *r, pid_t pid) {
 
 /* Why (issue 12): cloning into new PID, network, IPC and UTS namespaces costs ~0.8 ms here (the network
  * namespace ~0.6), on the create's critical path. The launcher makes the next sandbox's init ahead, while it
- * waits for requests: a process in fresh namespaces of those four kinds, with its /sys mounted and its
- * loopback up (neither depends on the request), blocked reading its own socketpair. It waits in a cgroup made
- * for the next sandbox (see spare_cgroup), which a create renames to the sandbox's and gives the limits that
- * differ; else a create places it in the sandbox's cgroup (before it runs a step of its own, as the sync pipe
+ * waits for requests: a process in fresh namespaces of those four kinds, with its /sys mounted, its loopback
+ * up and what prepare() makes (none depends on the request), blocked reading its own socketpair. It waits
+ * in a cgroup made for the next sandbox (see spare_cgroup), which a create renames to the sandbox's and gives
+ * the limits that differ; else a create places it in the sandbox's cgroup (before it runs a step of its own, as the sync pipe
  * does for a child cloned on the spot). The create sends it the request as it came with its three fds (the agent's
  * listening socket, the log, the status pipe); the spare parses it, takes a mount namespace of its own
  * (made now, not ahead: a copy of the host's mount table as it is at this create, with the layers mounted
@@ -634,14 +708,8 @@ static const char *fill_request(char **fields, int n, struct request *r);
  * superblock walks every sysfs superblock on the host (one per sandbox: ~12 % of the launcher's time at
  * 3,000 live). Made at the create instead if this fails. */
 static int make_sysfs_ahead(void) {
-    int fs = fsopen("sysfs", FSOPEN_CLOEXEC), mnt = -1;
-    if (fs < 0) return -1;
-    /* as crun's: source "sysfs", the mount read-only (not the superblock) */
-    if (fsconfig(fs, FSCONFIG_SET_STRING, "source", "sysfs", 0) == 0 &&
-        fsconfig(fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) == 0)
-        mnt = fsmount(fs, FSMOUNT_CLOEXEC, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC | MOUNT_ATTR_NODEV);
-    close(fs);
-    return mnt;
+    const unsigned attrs = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC | MOUNT_ATTR_NODEV;
+    return detached_fs("sysfs", "sysfs", NULL, attrs);
 }
 
 static void spare_wait(int sock) {
@@ -650,6 +718,7 @@ static void spare_wait(int sock) {
     if (send(sock, &joined, 1, MSG_NOSIGNAL) != 1) _exit(0); /* from now on a create may take it */
     ahead_sysfs = make_sysfs_ahead();
     ahead_lo = loopback_up() == NULL; /* else tried again at the create, where a failure is reported */
+    prepare_now();                     /* a failure is reported at the create */
     char control[CMSG_SPACE(3 * sizeof(int))];
     struct iovec iov = {msg, sizeof msg - 1};
     struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
@@ -984,7 +1053,7 @@ static int split(char *msg, size_t len, char **fields) {
 static const char *fill_request(char **fields, int n, struct request *r) {
     static char why[4200];
     *r = (struct request){.id = "?", .rootfs = "", .overlay = "", .log = "", .pidfile = "", .cgroup = "", .mem = "",
-                          .pids = "", .shares = "1024", .quota = "", .period = "", .hostname = "sandbox"};
+                          .pids = "", .shares = "1024", .quota = "", .period = "", .hostname = HOSTNAME};
     for (int i = 1; i < n; i++) {
         char *k = fields[i], *v = strchr(k, '=');
         if (!v) continue;

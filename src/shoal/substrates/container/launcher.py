@@ -12,16 +12,17 @@ capabilities, no_new_privs, seccomp, exec of the agent. The same isolation as th
 (tests/test_hardening.py runs every escape attempt under it).
 
 What does not depend on the request is done ahead, while the launcher waits (launcher.c, "the spare"): the
-next sandbox's init is cloned into its pid/net/ipc/uts namespaces, mounts its /sys, brings its loopback up
-and waits in a cgroup made for the next sandbox (`<parent>/.spare-<launcher pid>-<n>`, with the last
-create's limits); a create renames that cgroup to the sandbox's and writes the limits that differ (else it
-places the init in the sandbox's new cgroup before it runs a step of its own), and the init takes its mount
-namespace then (the host's mounts as they are at that create). At thousands of live
-sandboxes the kernel's per-create work grows with their number (a sysfs superblock lookup, pivot_root's
-walk of every task, the cpu bandwidth check, a memory cgroup's removal walking every superblock's LRU
-lists): the launcher reaps by pid, writes the cfs period only if it differs from the kernel's default,
-binds one empty directory of the node's read-only onto a sandbox's masked directories (no superblock of
-their own) and lets sandboxes share their parent's cpuset.
+next sandbox's init is cloned into its pid/net/ipc/uts namespaces, makes its /sys, /proc, /dev (devices,
+devpts, shm, mqueue) and the agent's bind as detached mounts (moved into its root after pivot_root), brings
+its loopback up, drops the capability bounding set and waits in a cgroup made for the next sandbox
+(`<parent>/.spare-<launcher pid>-<n>`, with the last create's limits); a create renames that cgroup to the
+sandbox's and writes the limits that differ (else it places the init in the sandbox's new cgroup before it
+runs a step of its own), and the init takes its mount namespace then (the host's mounts as they are at that
+create). At thousands of live sandboxes the kernel's per-create work grows with their number (a sysfs
+superblock lookup, pivot_root's walk of every task, the cpu bandwidth check, a memory cgroup's removal
+walking every superblock's LRU lists): the launcher reaps by pid, writes the cfs period only if it differs
+from the kernel's default, binds one empty directory of the node's read-only onto a sandbox's masked
+directories (no superblock of their own) and lets sandboxes share their parent's cpuset.
 
 The launcher is the init's parent and reaps it; it exits when the node's end of the socket closes (or on
 SIGTERM), removing its spare and the spare's cgroup (the node removes those of a launcher that was killed),
