@@ -61,6 +61,8 @@ def write_record(sandbox: Sandbox) -> None:
     the sandbox, so a create, pause or keepalive costs one write, not a read and a parse too."""
     path = sandbox.instance.directory / "record.json"
     base = sandbox.record_base
+    if base is None and sandbox.instance.record is not None:  # as its substrate wrote it
+        base = sandbox.record_base = dict(sandbox.instance.record)
     if base is None:
         try:
             base = json.loads(path.read_text())

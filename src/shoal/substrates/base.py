@@ -52,6 +52,9 @@ class Instance:
     # Where the node reaches the sandbox's root directory: /proc/<agent pid>/root when its rootfs is mounted
     # only in the sandbox's own mount namespace (crun, runc), the bundle's rootfs/ under gVisor.
     rootfs: str | None = None
+    # What the substrate wrote to record.json at the create, if it wrote it: the node merges its own view into
+    # it (recovery.write_record) without reading the file back.
+    record: dict[str, Any] | None = None
 
 
 class Substrate(ABC):

@@ -108,6 +108,7 @@ class ContainerSubstrate(Substrate):
         try:
             record = {"id": sandbox_id, "kind": self.kind, "runtime": runtime.name, "cgroup": instance.cgroup_path}
             _write(directory / "record.json", json.dumps(record))
+            instance.record = record
             disk_mb = spec.disk_mb or self.default_disk_mb
             # crun and runc mount the overlay in a private namespace of each sandbox's own: one shared mount
             # point serves them all, and a layer of the node's gives the agent's mount point (see _shared_dirs)
