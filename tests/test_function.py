@@ -95,6 +95,13 @@ def test_calls_get_what_python3_and_exec_give_and_none_of_the_workers_start(fn: 
     assert "LD_BIND_NOW" not in fn.exec("env").stdout
 
 
+def test_a_calls_code_compiles_as_under_python3(fn: shoal.Sandbox) -> None:
+    """Not with the worker module's own `from __future__ import annotations`: annotations are the objects."""
+    assert fn.call("def f(x: int): pass\nf.__annotations__['x'] is int") is True
+    assert fn.call("x: int = 1\nclass C:\n    y: int = 2\nC.__annotations__['y'] is int") is True
+    assert fn.call("def f(x: int):\n    return f.__annotations__['x'] is int\n", 1, entry="f") is True
+
+
 def test_nothing_persists_between_calls(fn: shoal.Sandbox) -> None:
     wrote = fn.exec("for d in /work /tmp /var/tmp /dev/shm; do echo x > $d/mark && echo ok; done; (sleep 300 &)")
     assert wrote.stdout == "ok\n" * 4

@@ -813,7 +813,7 @@ def load_call(spec: dict) -> tuple:
     entry = spec.get("entry")
     if entry is None:  # like a notebook cell: the value of a final expression is the result
         return run_cell(spec["source"], namespace), [], {}
-    exec(compile(spec["source"], "<source>", "exec"), namespace)
+    exec(compile(spec["source"], "<source>", "exec", dont_inherit=True), namespace)
     if entry not in namespace or not callable(namespace[entry]):
         raise NameError(f"the source defines no callable {entry!r}")
     return namespace[entry], spec.get("args") or [], spec.get("kwargs") or {}
@@ -892,7 +892,7 @@ def run_script(path: str, full: str) -> int:
                 chunks.append(chunk)
         finally:
             os.close(fd)
-        exec(compile(b"".join(chunks), full, "exec"), main.__dict__)
+        exec(compile(b"".join(chunks), full, "exec", dont_inherit=True), main.__dict__)
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
             code = exc.code or 0
@@ -925,18 +925,22 @@ def run_cell(source: str, namespace: dict):  # noqa: ANN201
     """Execute source; return a callable giving the value of its last statement if that is an expression.
 
     Fast path: split at the last top-level line and compile both parts from text (an AST round trip costs
-    milliseconds on a long program); anything unusual takes the exact `ast` path.
+    milliseconds on a long program); anything unusual takes the exact `ast` path. Every compile of a call's
+    code passes dont_inherit: this module's `from __future__ import annotations` is not the call's (under it
+    a call's `f.__annotations__` held strings where python3 gives the objects).
     """
     lines = source.splitlines(keepends=True)
     last = len(lines) - 1
     while last >= 0 and (not lines[last].strip() or lines[last][0].isspace() or lines[last].startswith("#")):
         last -= 1
     if last < 0:
-        exec(compile(source, "<source>", "exec"), namespace)
+        exec(compile(source, "<source>", "exec", dont_inherit=True), namespace)
         return lambda: None
     try:
-        tail = compile("\n" * last + "".join(lines[last:]), "<source>", "eval")
-        head = compile("".join(lines[:last]), "<source>", "exec") if last else None  # a one-line cell: none
+        tail = compile("\n" * last + "".join(lines[last:]), "<source>", "eval", dont_inherit=True)
+        head = (
+            compile("".join(lines[:last]), "<source>", "exec", dont_inherit=True) if last else None
+        )  # a one-line cell: none
     except SyntaxError:
         return run_cell_ast(source, namespace)
     if head is not None:
@@ -946,12 +950,12 @@ def run_cell(source: str, namespace: dict):  # noqa: ANN201
 
 
 def run_cell_ast(source: str, namespace: dict):  # noqa: ANN201
-    tree = ast.parse(source, "<source>")
+    tree = compile(source, "<source>", "exec", ast.PyCF_ONLY_AST, dont_inherit=True)  # ast.parse, not inheriting
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    exec(compile(tree, "<source>", "exec"), namespace)
+    exec(compile(tree, "<source>", "exec", dont_inherit=True), namespace)
     if last is None:
         return lambda: None
-    value = eval(compile(ast.Expression(last.value), "<source>", "eval"), namespace)
+    value = eval(compile(ast.Expression(last.value), "<source>", "eval", dont_inherit=True), namespace)
     return lambda: value
 
 
