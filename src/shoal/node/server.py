@@ -20,6 +20,9 @@ from shoal.protocol import Request, Response
 
 log = logging.getLogger("shoal.server")
 PORT_CONNECT = "port_connect"  # not an operation of the table: it turns its connection into a byte stream
+# Operations whose answer the Unix socket sends from the log's fsync completion (trajectory.Answer): their
+# service method returns once its step is logged, with nothing after it that needs the fsync.
+ANSWERED_AT_FSYNC = frozenset({"exec"})
 
 
 class _Op:
@@ -97,11 +100,22 @@ class _UnixConnection(asyncio.Protocol):
 
     async def _serve_one(self, request: Request) -> None:
         """Serve one request and unlist it, in its own task: not a done callback, which costs every request
-        a Handle and a loop pass of its own after the answer (issue 12: 6.5 passes per exec before)."""
+        a Handle and a loop pass of its own after the answer (issue 12: 6.5 passes per exec before). An
+        answer sent from the log's fsync completion unlists it when it is sent."""
+        later = None
+        if request.op in ANSWERED_AT_FSYNC:
+
+            def later(response: Response) -> None:
+                if not self.lost:
+                    self.transport.write(protocol.encode(response))
+                self._done(request.id)
+
+        deferred = False
         try:
-            await self.server._serve(request, self.send)
+            deferred = await self.server._serve(request, self.send, send_later=later)
         finally:
-            self._done(request.id)
+            if not deferred:
+                self._done(request.id)
 
     def _done(self, request_id: int) -> None:
         self.tasks.pop(request_id, None)
@@ -261,9 +275,20 @@ class NodeServer:
         """`auth` on the Unix socket: whoever can open it is root on this machine, the node's admin."""
         return {"node_id": self.service.settings.node_id, "project": None, "cluster": True}
 
-    async def _serve(self, request: Request, send: Callable[[Response], Any], session: Any = None) -> None:
+    async def _serve(
+        self,
+        request: Request,
+        send: Callable[[Response], Any],
+        session: Any = None,
+        send_later: Callable[[Response], None] | None = None,
+    ) -> bool:
+        """Answer `request` through `send`; True if the answer was left to `send_later` instead, which the
+        trajectory log calls once its fsync covers the step the request logged (trajectory.Answer)."""
         started = time.monotonic()
-        error: str | None = None
+        answer = None
+        if send_later is not None:
+            answer = trajectory.Answer()
+            trajectory.ANSWER.set(answer)  # this request's own task: its context
         try:
             op = self.ops.get(request.op)
             if session is not None and request.op in session.ops:
@@ -294,11 +319,23 @@ class NodeServer:
             response = Response(id=request.id, result=result)
         except (Exception, asyncio.CancelledError) as exc:  # every failure is this request's error response
             response = protocol.error_response(request, exc)
-        if response.error is not None:
-            error = response.error.type
-        for observer in self.observers:
-            observer(request.op, time.monotonic() - started, error)
+        if answer is not None and send_later is not None:
+
+            def answered(error: Exception | None) -> None:
+                reply = response if error is None else protocol.error_response(request, error)
+                self._observe(request.op, started, reply)
+                send_later(reply)
+
+            if answer.owed(answered):
+                return True
+        self._observe(request.op, started, response)
         try:
             await send(response)
         except (ConnectionError, RuntimeError):
             pass
+        return False
+
+    def _observe(self, op: str, started: float, response: Response) -> None:
+        error = response.error.type if response.error is not None else None
+        for observer in self.observers:
+            observer(op, time.monotonic() - started, error)

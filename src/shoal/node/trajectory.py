@@ -28,6 +28,7 @@ give back bytes it did not keep). Digests of large payloads are computed off the
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import errno
 import logging
 import os
@@ -35,7 +36,7 @@ import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,47 @@ _CLOSE_SANDBOX = "UPDATE sandboxes SET closed_at=?, status=?, reason=? WHERE id=
 
 # Tasks running a logged step now (Recorder.step), with how many: a client that goes away must not stop them.
 _logging: dict[asyncio.Task, int] = {}
+
+
+class Answer:
+    """The answer of a request that goes out once the journal's fsync covers its logged step, sent from that
+    fsync's completion rather than by the request's task woken for it: the task ends once the step's result is
+    journaled, the answer waits here (issue 12: a loop pass and a task wake-up fewer per logged exec). The
+    node's server makes one per request it can answer that way and sets it in ANSWER; the first step the
+    request logs defers to it (`owed`), any later one waits for its own fsync as before (which covers the
+    first one's too)."""
+
+    __slots__ = ("open", "pending", "error", "send")
+
+    def __init__(self) -> None:
+        self.open = True  # a step's result may still defer to this answer
+        self.pending = 0  # fsyncs it waits for
+        self.error: Exception | None = None
+        self.send: Callable[[Exception | None], None] | None = None
+
+    def settled(self, error: Exception | None) -> None:
+        """The log: the fsync covering the step is done (`error`: it failed)."""
+        self.pending -= 1
+        if error is not None and self.error is None:
+            self.error = error
+        if not self.pending and self.send is not None:
+            send, self.send = self.send, None
+            send(self.error)
+
+    def owed(self, send: Callable[[Exception | None], None]) -> bool:
+        """The server, with its response ready: True if `send(error)` sends it (once the fsync is done, or now
+        with the fsync's error), False if the server sends it itself (nothing was deferred)."""
+        self.open = False
+        if self.pending:
+            self.send = send
+            return True
+        if self.error is not None:
+            send(self.error)
+            return True
+        return False
+
+
+ANSWER: contextvars.ContextVar[Answer | None] = contextvars.ContextVar("shoal_trajectory_answer", default=None)
 
 
 def abandon(task: asyncio.Task) -> None:
@@ -190,7 +232,7 @@ class TrajectoryLog:
         self._synced = 0  # of them, how many an fsync has covered
         self._sync_requested = 0
         self._flush_scheduled = False
-        self._waiters: list[tuple[int, asyncio.Future]] = []
+        self._waiters: list[tuple[int, asyncio.Future | Callable]] = []  # (write number, future or callable)
         self._sync_error: BaseException | None = None
         self._syncer = threading.Thread(target=self._sync_forever, name="shoal-trajectory-sync", daemon=True)
         self._syncer.start()
@@ -352,7 +394,14 @@ class TrajectoryLog:
         if self._synced >= upto:
             done.set_result(None)
             return done
-        self._waiters.append((upto, done))
+        self._wait_for(upto, done, alone, loop)
+        return done
+
+    def _wait_for(
+        self, upto: int, waiter: asyncio.Future | Callable, alone: bool, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """Settle `waiter` (a future, or a callable given the error or None) once an fsync covers `upto`."""
+        self._waiters.append((upto, waiter))
         if alone and self._aio is not None and self._aio_loop is loop and not self._aio_inflight:
             # no other step runs, so no other row can join this fsync in this loop pass: it starts now, a pass
             # sooner (rows written while it runs share the next one, which its completion submits)
@@ -360,7 +409,6 @@ class TrajectoryLog:
         elif not self._flush_scheduled:  # after the tasks ready now have written too: one fsync for them all
             self._flush_scheduled = True
             loop.call_soon(self._request_sync, loop)
-        return done
 
     def _request_sync(self, loop: asyncio.AbstractEventLoop) -> None:
         self._flush_scheduled = False
@@ -454,14 +502,19 @@ class TrajectoryLog:
         if failure is None:
             self._synced = max(self._synced, upto)
         still = []
-        for target, future in self._waiters:
+        for target, waiter in self._waiters:
             if target > upto:
-                still.append((target, future))
-            elif not future.done():
+                still.append((target, waiter))
+            elif not isinstance(waiter, asyncio.Future):  # an Answer's: its request answers from here
+                try:
+                    waiter(None if failure is None else self._error(_fsync_failed(failure)))
+                except Exception:
+                    log.exception("answering a request after the log's fsync failed")
+            elif not waiter.done():
                 if failure is None:
-                    future.set_result(None)
+                    waiter.set_result(None)
                 else:
-                    future.set_exception(sqlite3.OperationalError(f"fsync of the log failed: {failure}"))
+                    waiter.set_exception(_fsync_failed(failure))
         self._waiters = still
         if failure is not None and still and self._sync_requested <= upto:  # retry for the rest
             if self._aio is not None:
@@ -497,9 +550,25 @@ class TrajectoryLog:
             self._pending[(sandbox_id, seq)] = row
             self.appended += 1
             self._schedule_flush()
+            answer = ANSWER.get()
+            if answer is not None and answer.open:  # the request answers once the fsync is done: no wait here
+                answer.open = False
+                answer.pending += 1
+                self._wait_for(self._written, answer.settled, alone, asyncio.get_running_loop())
+                return
             await self._durable(self._written, alone)
         except (sqlite3.Error, OSError) as exc:
             raise self._error(exc) from exc
+
+    async def settled(self) -> None:
+        """Return once an fsync covers every record written so far: a result read back from the log (a step
+        re-issued) is answered only once it is durable, which a result whose own request's answer still waits
+        for (Answer) may not be yet."""
+        if self._synced < self._written:
+            try:
+                await self._durable(self._written)
+            except (sqlite3.Error, OSError) as exc:
+                raise self._error(exc) from exc
 
     async def begin(
         self, sandbox_id: str, seq: int, op: str, key: str, args: dict[str, Any], started_at: float
@@ -688,6 +757,10 @@ def _replayed(record: tuple) -> tuple[str, tuple] | None:
     return None
 
 
+def _fsync_failed(failure: BaseException) -> sqlite3.OperationalError:
+    return sqlite3.OperationalError(f"fsync of the log failed: {failure}")
+
+
 def _fdatasync(path: str | Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -771,6 +844,7 @@ class Recorder:
             if logged.key != key:
                 raise DivergenceError(divergence_message(sandbox.id, seq, logged.describe(), describe(op, args)))
             self.fast_forwarded += 1
+            await self.log.settled()
             if op == "file_read" and logged.error_type is None and is_bulk(logged.result):
                 return await _read_again(sandbox.id, seq, args, logged.result, run)
             return _replay_outcome(logged)
