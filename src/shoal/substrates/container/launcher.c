@@ -226,14 +226,16 @@ static int detached_bind(const char *path, struct mount_attr *attr) {
 }
 
 /* What a sandbox's init does that needs no request, made by a spare while it waits (else at the start of a
- * child cloned on the spot). Why (issue 12): these were ~45 of the ~130 system calls between a create's
- * request and the agent's exec, each a world switch on this host; mqueue's mount also walks every mqueue
- * superblock on the host (one per sandbox) to find its IPC namespace's. The mounts are made detached
- * (fsopen/fsmount, open_tree), before the sandbox's mount namespace exists, and moved into its tree after
- * pivot_root (attach); nothing of the host's is reachable from them (/dev is a tmpfs of the sandbox's own,
- * proc and mqueue are its PID and IPC namespaces', the agent's and the masks' binds are private copies). The
- * capability bounding set is dropped here too: the capabilities the steps below use stay effective until
- * capset, and only an exec reads the bounding set. NULL, or the step that failed (errno set) */
+ * child cloned on the spot). Why (issue 12): ~100 of the ~130 system calls between a create's request and the
+ * agent's exec, ~45 of them mounts, each under the host's namespace lock; mqueue's mount also walks every
+ * mqueue superblock on the host (one per sandbox) to find its IPC namespace's. The mounts are made detached
+ * (fsopen/fsmount, open_tree) before the sandbox's mount namespace exists: /proc and /sys with oci.py's masks
+ * and read-only binds mounted on them, /dev with its devpts, shm and mqueue; each tree is moved into the
+ * sandbox's root after pivot_root with what is mounted on it (attach). Nothing of the host's is reachable from
+ * them (/dev is a tmpfs of the sandbox's own, proc, sysfs and mqueue are its PID, network and IPC namespaces',
+ * the agent's and the masks' binds are private copies). The capability bounding set is dropped here too: the
+ * capabilities the steps below use stay effective until capset, and only an exec reads the bounding set.
+ * NULL, or the step that failed (errno set) */
 static struct {
     int agent, empty, proc, dev, pts, shm, mqueue;
 } early = {-1, -1, -1, -1, -1, -1, -1};
@@ -247,6 +249,66 @@ static const struct {
 static const char *const LINKS[][2] = {{"pts/ptmx", "ptmx"}, {"/proc/self/fd", "fd"}, {"/proc/self/fd/0", "stdin"},
                                        {"/proc/self/fd/1", "stdout"}, {"/proc/self/fd/2", "stderr"},
                                        {"/proc/kcore", "core"}};
+
+static int make_sysfs_ahead(void);
+static char masked_early[MAX_LIST], readonly_early[MAX_LIST]; /* conf.mask[i] / conf.ro[i] done by prepare */
+
+/* The detached tree that holds a sandbox path, and the path in it: /proc/... in its proc, /sys/... in its sysfs
+ * (pivot_root leaves those paths as they are); -1 for a path elsewhere (done at the create) */
+static int early_tree(const char *path, const char **rel) {
+    if (!strncmp(path, "/proc/", 6) && path[6]) return *rel = path + 6, early.proc;
+    if (!strncmp(path, "/sys/", 5) && path[5]) return *rel = path + 5, ahead_sysfs;
+    return -1;
+}
+
+/* Move a new detached mount `fd` onto `rel` of detached tree `root` (and close it); -1 (errno set) */
+static int mount_early(int fd, int root, const char *rel) {
+    int done = move_mount(fd, "", root, rel, MOVE_MOUNT_F_EMPTY_PATH);
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    return done;
+}
+
+/* Mask conf.mask[i] as mask_path does, on the detached trees: a file gets a read-only bind of the sandbox's
+ * /dev/null, a directory a read-only bind of the node's empty directory (no superblock of its own); a path
+ * that does not exist needs nothing. 1 done, 0 left for the create, -1 failed (errno set) */
+static int mask_early(int i) {
+    const char *rel;
+    int root = early_tree(conf.mask[i], &rel);
+    struct stat st;
+    if (root < 0) return 0;
+    if (fstatat(root, rel, &st, AT_SYMLINK_NOFOLLOW) < 0) return errno == ENOENT ? 1 : -1;
+    if (S_ISDIR(st.st_mode)) { /* a copy of the masks' directory, with its flags: ro,relatime */
+        if (early.empty < 0) return 0;
+        int fd = open_tree(early.empty, "", OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_EMPTY_PATH);
+        return fd < 0 || mount_early(fd, root, rel) < 0 ? -1 : 1;
+    }
+    int fd = open_tree(early.dev, "null", OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+    /* as the bind and read-only remount at the create make it: ro, nothing else (strictatime, as /dev's) */
+    struct mount_attr ro = {.attr_set = MOUNT_ATTR_RDONLY, .attr_clr = MOUNT_ATTR_NOSUID};
+    if (fd >= 0 && mount_setattr(fd, "", AT_EMPTY_PATH, &ro, sizeof ro) < 0) {
+        close(fd);
+        return -1;
+    }
+    return fd < 0 || mount_early(fd, root, rel) < 0 ? -1 : 1;
+}
+
+/* conf.ro[i] read-only as readonly_path makes it (a recursive bind onto itself, its top mount ro, nosuid,
+ * nodev, noexec), on the detached trees; 1 done (or nothing there), 0 left for the create, -1 failed */
+static int readonly_early_path(int i) {
+    const char *rel;
+    int root = early_tree(conf.ro[i], &rel);
+    if (root < 0) return 0;
+    int fd = open_tree(root, rel, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+    if (fd < 0) return errno == ENOENT ? 1 : -1;
+    struct mount_attr ro = {.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC};
+    if (mount_setattr(fd, "", AT_EMPTY_PATH, &ro, sizeof ro) < 0) {
+        close(fd);
+        return -1;
+    }
+    return mount_early(fd, root, rel) < 0 ? -1 : 1;
+}
 
 static const char *prepare(void) {
     const unsigned hidden = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC | MOUNT_ATTR_NODEV;
@@ -275,6 +337,11 @@ static const char *prepare(void) {
         return "devpts";
     if ((early.shm = detached_fs("tmpfs", "shm", SHM_OPTS, hidden)) < 0) return "shm";
     if ((early.mqueue = detached_fs("mqueue", "mqueue", NULL, hidden)) < 0) return "mqueue";
+    if (ahead_sysfs < 0) ahead_sysfs = make_sysfs_ahead(); /* else mounted at the create, its masks there */
+    /* masks first, as at the create; one that fails here (a kernel that mounts on no detached tree) is made
+     * at the create, where a failure is reported */
+    for (int i = 0; i < conf.nmask; i++) masked_early[i] = mask_early(i) > 0;
+    for (int i = 0; i < conf.nro; i++) readonly_early[i] = readonly_early_path(i) > 0;
     if (sethostname(HOSTNAME, strlen(HOSTNAME)) < 0) return "sethostname";
     struct rlimit rl = {conf.nofile, conf.nofile};
     if (setrlimit(RLIMIT_NOFILE, &rl) < 0) return "setrlimit NOFILE";
@@ -385,8 +452,10 @@ static void child(const struct request *r, int sync_fd, int listen_fd, int log_f
         mkdir_p(r->tmpfs[i]);
         if (mount("tmpfs", r->tmpfs[i], "tmpfs", MS_NOSUID | MS_NODEV, "mode=755") < 0) fail("mount", r->tmpfs[i]);
     }
-    for (int i = 0; i < conf.nmask; i++) mask_path(root, conf.mask[i]);
-    for (int i = 0; i < conf.nro; i++) readonly_path(root, conf.ro[i]);
+    for (int i = 0; i < conf.nmask; i++)
+        if (!masked_early[i]) mask_path(root, conf.mask[i]);
+    for (int i = 0; i < conf.nro; i++)
+        if (!readonly_early[i]) readonly_path(root, conf.ro[i]);
     /* stdio as crun gives it: stdin /dev/null, stdout+stderr the log; fd 3 the agent's listening socket */
     int null_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (null_fd < 0) fail("open", "/dev/null");
@@ -607,13 +676,13 @@ static const char *join_cgroup(const struct request *r, pid_t pid) {
  * waits for requests: a process in fresh namespaces of those four kinds, with its /sys mounted, its loopback
  * up and what prepare() makes (none depends on the request), blocked reading its own socketpair. It waits
  * in a cgroup made for the next sandbox (see spare_cgroup), which a create renames to the sandbox's and gives
- * the limits that differ; else a create places it in the sandbox's cgroup (before it runs a step of its own, as the sync pipe
- * does for a child cloned on the spot). The create sends it the request as it came with its three fds (the agent's
- * listening socket, the log, the status pipe); the spare parses it, takes a mount namespace of its own
- * (made now, not ahead: a copy of the host's mount table as it is at this create, with the layers mounted
- * since) and goes on exactly as a child cloned on the spot. Nothing of a sandbox is shared with another:
- * each spare is one process and its namespaces serve one sandbox. It exits when the launcher does (its
- * socket's other end closes). */
+ * the limits that differ; else a create places it in the sandbox's cgroup (before it runs a step of its own,
+ * as the sync pipe does for a child cloned on the spot). The create sends it the request as it came with its
+ * three fds (the agent's listening socket, the log, the status pipe); the spare parses it, takes a mount
+ * namespace of its own (made now, not ahead: a copy of the host's mount table as it is at this create, with
+ * the layers mounted since) and goes on exactly as a child cloned on the spot. Nothing of a sandbox is shared
+ * with another: each spare is one process and its namespaces serve one sandbox. It exits when the launcher
+ * does (its socket's other end closes). */
 static char raw[MSG_MAX];
 static size_t raw_len;
 static pid_t spare_pid;
