@@ -112,8 +112,12 @@ def recv_frame(sock: _socket.socket) -> dict:
     return json.loads(recv_exact(sock, length))
 
 
+# made once: json.dumps with separators builds a JSONEncoder (its Python __init__) for every reply
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def send_frame(sock: _socket.socket, message: dict) -> None:
-    body = json.dumps(message, separators=(",", ":")).encode()
+    body = _ENCODE(message).encode()
     sock.sendall(_LEN.pack(len(body)) + body)
 
 
