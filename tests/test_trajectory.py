@@ -115,6 +115,20 @@ async def test_concurrent_steps_share_commits(aclient: shoal.AsyncClient) -> Non
         await sb.close()
 
 
+async def test_a_step_reissued_while_it_runs_answers_its_logged_result(aclient: shoal.AsyncClient) -> None:
+    """Two handles send step 0 at once: it runs once; the other waits for it (its answer goes out from the
+    journal's fsync, its task already ended: the re-issue waits for that fsync too) and answers the same result."""
+    sb = await aclient.create(image="busybox", pool=False)
+    try:
+        again = await aclient.attach(sb.id)
+        command = "echo once >> /f; cat /proc/sys/kernel/random/uuid"
+        first, second = await asyncio.gather(sb.exec(command), again.exec(command))
+        assert first.stdout == second.stdout and len(first.stdout.strip()) == 36
+        assert (await sb.files.read_text("/f")) == "once\n"
+    finally:
+        await sb.close()
+
+
 async def test_cancelled_step_is_logged_as_interrupted(aclient: shoal.AsyncClient) -> None:
     sb = await aclient.create(image="busybox", pool=False)
     try:

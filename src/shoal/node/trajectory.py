@@ -100,12 +100,13 @@ class Answer:
     fsync's completion rather than by the request's task woken for it: the task ends once the step's result is
     journaled, the answer waits here (issue 12: a loop pass and a task wake-up fewer per logged exec). The
     node's server makes one per request it can answer that way and sets it in ANSWER; the first step the
-    request logs defers to it (`owed`), any later one waits for its own fsync as before (which covers the
-    first one's too)."""
+    request logs in its own task defers to it (`owed`), any later one waits for its own fsync as before (which
+    covers the first one's too), and so does a step logged by a task that only inherited the request's context."""
 
-    __slots__ = ("open", "pending", "error", "send")
+    __slots__ = ("open", "pending", "error", "send", "task")
 
     def __init__(self) -> None:
+        self.task = asyncio.current_task()  # the request's: only a step it runs itself defers to this answer
         self.open = True  # a step's result may still defer to this answer
         self.pending = 0  # fsyncs it waits for
         self.error: Exception | None = None
@@ -551,7 +552,7 @@ class TrajectoryLog:
             self.appended += 1
             self._schedule_flush()
             answer = ANSWER.get()
-            if answer is not None and answer.open:  # the request answers once the fsync is done: no wait here
+            if answer is not None and answer.open and answer.task is asyncio.current_task():  # answered at the fsync
                 answer.open = False
                 answer.pending += 1
                 self._wait_for(self._written, answer.settled, alone, asyncio.get_running_loop())
