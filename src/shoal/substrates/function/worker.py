@@ -980,9 +980,12 @@ def warm_up() -> None:
         {"source": "def entry(a, b=0):\n    return {'a': a, 'b': b}\n", "entry": "entry", "args": [1], "kwargs": {}},
     ]
     cloudpickle = sys.modules.get("cloudpickle")
-    if cloudpickle is not None:
-        arguments = b64(cloudpickle.dumps(((1,), {})))
-        specs.append({"pickle": b64(cloudpickle.dumps(lambda a: [a, 1.5, "x"])), "args": arguments})
+    try:
+        if cloudpickle is not None:
+            arguments = b64(cloudpickle.dumps(((1,), {})))
+            specs.append({"pickle": b64(cloudpickle.dumps(lambda a: [a, 1.5, "x"])), "args": arguments})
+    except Exception:  # noqa: BLE001, S110 - a cloudpickle this Python cannot use fails the calls that need it, not the start
+        pass
     null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
     try:
         for spec in specs:
