@@ -85,13 +85,27 @@ class BenchNode:
     def __init__(self, name: str) -> None:
         self.home = Path(f"/tmp/shoal-bench-{name}")
         os.environ.update(SHOAL_HOME=str(self.home), SHOAL_IMAGES=IMAGES, SHOAL_CGROUP_PARENT=f"shoal-bench-{name}")
+        # a node already serving this home is another run's (two sessions running one bench at once): this run
+        # uses it but must not stop it at its end (`--name` gives a run a home of its own)
+        self.foreign = self._holder()
+        if self.foreign is not None:
+            print(f"note: node {self.foreign} already serves {self.home} (another run's?): left running at the end")
+
+    def _holder(self) -> int | None:
+        """The pid of the live node holding this home's lock, or None."""
+        try:
+            pid = int((self.home / "node.lock").read_text())
+        except (OSError, ValueError):
+            return None
+        return pid if Path(f"/proc/{pid}").exists() else None
 
     def stop(self) -> None:
-        lock = self.home / "node.lock"
+        pid = self._holder()
+        if pid is None or pid == self.foreign:
+            return
         try:
-            pid = int(lock.read_text())
             os.kill(pid, signal.SIGTERM)
-        except (OSError, ValueError):
+        except OSError:
             return
         for _ in range(600):
             if not Path(f"/proc/{pid}").exists():
