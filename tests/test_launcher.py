@@ -197,6 +197,58 @@ def test_each_sandbox_gets_its_own_limits_whatever_the_spare_was_made_with(
     assert not no_leftovers(node.home, node.cgroup_parent)
 
 
+def test_a_closed_sandboxs_cgroup_serves_a_later_one_from_zero(tmp_path: Path) -> None:
+    """Issue 12: a destroyed sandbox's cgroup is kept (renamed to a spare's) and reset for a later sandbox
+    instead of removed, which would walk every superblock's LRU lists under the cgroup mutex. The later
+    sandbox starts from zero: little of the memory its predecessor charged (a 40 MiB file) left, memory peak,
+    fail count and CPU usage zeroed, its own limits; the cgroup of one where the OOM killer fired is not kept (that
+    count cannot be reset, and the node reads it as the sandbox's). Kept cgroups go with the launcher."""
+    node = NodeProcess(tmp_path / "home", f"shoal-test-launcher-kept-{os.getpid()}").start()
+    memory = cgroups.ROOT / "memory" / node.cgroup_parent
+
+    def spare_waits() -> None:  # the launcher makes its spare while idle; a create then takes its cgroup
+        parent = _launchers(node.pid)[0]
+        _until(lambda: any(".spare-" in Path(f"/proc/{p}/cgroup").read_text() for p in _launchers(parent)))
+        time.sleep(0.05)  # its answer, sent once it joined
+
+    try:
+        with node.client() as client:
+            inos, burnt = set(), 0.0
+            for _ in range(2):
+                with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300, memory_mb=256) as sb:
+                    sb.exec("dd if=/dev/zero of=/fill bs=1M count=40 2>/dev/null; sync; "
+                            "i=0; while [ $i -lt 100000 ]; do i=$((i+1)); done")  # fmt: skip
+                    assert int((memory / sb.id / "memory.max_usage_in_bytes").read_text()) > 40 << 20
+                    burnt = max(burnt, sb.usage()["cpu_s"])
+                    inos.add((memory / sb.id).stat().st_ino)
+                spare_waits()
+            with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300, memory_mb=64, pids=40) as sb:
+                assert (memory / sb.id).stat().st_ino in inos  # a kept one, renamed
+                used = sb.usage()
+                assert used["memory_bytes"] < 16 << 20 and used["cpu_s"] < burnt / 4, (used, burnt)
+                assert int((memory / sb.id / "memory.max_usage_in_bytes").read_text()) < 16 << 20
+                assert (memory / sb.id / "memory.failcnt").read_text() == "0\n"
+                assert int((memory / sb.id / "memory.limit_in_bytes").read_text()) == 64 << 20
+                assert (cgroups.ROOT / "pids" / node.cgroup_parent / sb.id / "pids.max").read_text() == "40\n"
+                assert "written" not in sb.exec("head -c 1 /fill 2>/dev/null && echo written").stdout
+                # the OOM killer fires in it: its cgroup is not kept
+                sb.exec("head -c 100m /dev/zero > /dev/shm/fill; true")
+                assert cgroups.oom_kills(f"/{node.cgroup_parent}/{sb.id}") > 0
+                oomed = (memory / sb.id).stat().st_ino
+            spare_waits()
+            with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as sb:
+                spare_waits()
+                with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as other:
+                    for each in (sb, other):
+                        assert (memory / each.id).stat().st_ino != oomed
+                        assert cgroups.oom_kills(f"/{node.cgroup_parent}/{each.id}") == 0
+            assert not no_leftovers(node.home, node.cgroup_parent)
+            assert any(memory.glob(".spare-*"))
+    finally:
+        node.stop()
+    assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
 def test_the_cgroup_a_killed_launchers_spare_left_is_removed(tmp_path: Path) -> None:
     """A launcher removes its spare's cgroup as it leaves; one killed together with its node cannot. The next
     launcher removes such cgroups when it starts, and the node when it stops."""

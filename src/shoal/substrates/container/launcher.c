@@ -11,7 +11,8 @@
  *                     "op=create" with id=, rootfs=, overlay=, log=, pidfile=, cgroup=<relative path>, mem=, pids=,
  *                     shares=, quota=, period=, hostname=, tmpfs=<path>...; the agent's listening socket rides along
  *                     (SCM_RIGHTS) and becomes the sandbox's fd 3.
- *                     "op=destroy" with id=, pid=: SIGKILL that sandbox's init, reap it, remove its cgroup.
+ *                     "op=destroy" with id=, pid=: SIGKILL that sandbox's init, reap it, remove its cgroup (or keep
+ *                     it for a later sandbox, emptied under a spare's name: see keep_cgroup).
  *   launcher -> node: "<id> ok <pid>" once the agent has been exec'd, or "<id> err <reason>"; for a destroy
  *                     "<id> ok 0" once done, or "<id> gone 0" (not a sandbox of this launcher's).
  * The launcher exits when the node's end closes (the node stopped or died); sandboxes keep running.
@@ -77,12 +78,19 @@ struct pending {
 static struct pending pending[MAX_PENDING];
 static int npending;
 
-/* The sandboxes this launcher made and has not reaped yet: their init's pid and cgroup; `destroy` set once the
- * node asked to destroy it (answered when it has been reaped and its cgroup removed) */
+/* The limits a request gives its cgroup: what a spare's cgroup was made with (see spare_cgroup), so that a
+ * create writes only those that differ */
+struct limits {
+    char mem[32], pids[32], shares[32], quota[32], period[32];
+};
+
+/* The sandboxes this launcher made and has not reaped yet: their init's pid, cgroup and its limits; `destroy`
+ * set once the node asked to destroy it (answered when it has been reaped and its cgroup removed or kept) */
 struct sandbox {
     pid_t pid;
     char cgroup[512];
     char destroy[64];
+    struct limits limits;
 };
 static struct sandbox *sandboxes;
 static int nsandboxes, capsandboxes;
@@ -571,12 +579,6 @@ static int write_devices(const char *dir) {
     return 0;
 }
 
-/* The limits a request gives its cgroup: what a spare's cgroup was made with (see spare_cgroup), so that a
- * create writes only those that differ */
-struct limits {
-    char mem[32], pids[32], shares[32], quota[32], period[32];
-};
-
 static void limits_of(const struct request *r, struct limits *l) {
     snprintf(l->mem, sizeof l->mem, "%s", r->mem);
     snprintf(l->pids, sizeof l->pids, "%s", r->pids);
@@ -708,14 +710,132 @@ static void spare_cgroup_dir(char *out, size_t size, const char *h, const char *
     else snprintf(out, size, "%s/%s", h, rel);
 }
 
-/* In the spare, before it waits: make and join its cgroup; 'j', or 'n' if any step failed */
+/* ------------------------------------------------------------------ kept cgroups: a closed sandbox's, reused */
+
+/* Why (issue 12): removing a sandbox's cgroup takes its memory cgroup offline, and the kernel then reparents
+ * every superblock's memcg-aware LRU lists (memcg_reparent_list_lrus: each live sandbox adds its overlay, proc,
+ * sysfs, tmpfs, devpts and mqueue superblocks), in a worker holding the cgroup mutex that the next create's
+ * rename, mkdir or cgroup.procs write waits for: ~4-11 CPU-ms per close at 3,000 live sandboxes, growing with
+ * them. A destroyed sandbox's cgroup is kept instead, emptied (its init reaped: the kernel killed the rest of
+ * its PID namespace first), renamed to a spare's name (`<parent>/.spare-<launcher pid>-<n>`, which every
+ * cleanup of spares covers: leave, launcher.py's remove_spare_cgroups after a killed launcher, the node's
+ * start) and handed to the next spare, which resets it before it joins it (spare_cgroup, reset_dir: memory
+ * peak, fail counts and CPU usage zeroed, what is still charged reclaimed above a bound, the limits that
+ * differ written; the devices list is every sandbox's). Only one whose counters the node reads can be reset or are
+ * zero is kept: no OOM kill in it (memory.oom_control's count cannot be reset and the node reads it as the
+ * sandbox's), not frozen, no task left. At most KEPT_MAX wait; the others are removed as before. */
+#define KEPT_MAX 16
+static struct {
+    char name[2200];
+    struct limits limits;
+} kept[KEPT_MAX];
+static int nkept;
+static int spare_reused;        /* the spare's cgroup is a kept one (not made): reset, not made */
+static struct limits spare_was; /* ... with the limits its last sandbox had */
+
+static void remove_cgroup(const char *rel) {
+    char dir[4400];
+    for (int i = 0; i < conf.ncg; i++) {
+        if (in_parent_cpuset(conf.cg[i], rel)) continue;
+        snprintf(dir, sizeof dir, "%s/%s", conf.cg[i], rel);
+        (void)rmdir(dir);
+    }
+}
+
+/* Whether a counter file holds a nonzero count: its line `key N` (key NULL: the file is the number); 1 if it
+ * cannot be read */
+static int counted(const char *dir, const char *file, const char *key) {
+    char value[4096];
+    if (read_file(dir, file, value, sizeof value) < 0) return 1;
+    if (!key) return atol(value) != 0;
+    size_t len = strlen(key);
+    for (const char *line = value; line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL)
+        if (!strncmp(line, key, len) && line[len] == ' ') return atol(line + len + 1) != 0;
+    return 1;
+}
+
+/* A destroyed sandbox's cgroup (its init reaped) kept for the next spare; 0 if it is not (then removed) */
+static int keep_cgroup(const struct sandbox *sb) {
+    char dir[4400], from[4400], to[4400], value[64], name[2200];
+    size_t plen = strlen(ready_parent);
+    int memory = 0;
+    if (nkept == KEPT_MAX || strncmp(sb->cgroup, ready_parent, plen) || sb->cgroup[plen] != '/' ||
+        strchr(sb->cgroup + plen + 1, '/'))
+        return 0; /* full, or not a child of the parent the spares are made in (renamed within one parent) */
+    for (int i = 0; i < conf.ncg; i++) {
+        const char *h = conf.cg[i], *base = base_name(h);
+        if (in_parent_cpuset(h, sb->cgroup)) continue;
+        snprintf(dir, sizeof dir, "%s/%s", h, sb->cgroup);
+        if (!strcmp(base, "memory")) {
+            if (counted(dir, "memory.oom_control", "oom_kill")) return 0;
+            memory = 1;
+        } else if (!strcmp(base, "pids") && counted(dir, "pids.current", NULL)) {
+            return 0;
+        } else if (!strcmp(base, "freezer") &&
+                   (read_file(dir, "freezer.state", value, sizeof value) < 0 || strncmp(value, "THAWED", 6))) {
+            return 0;
+        }
+    }
+    if (!memory) return 0; /* nothing to save */
+    snprintf(name, sizeof name, "%s/.spare-%d-%d", ready_parent, (int)getpid(), ++spare_seq);
+    int done = 0;
+    for (; done < conf.ncg; done++) {
+        if (in_parent_cpuset(conf.cg[done], sb->cgroup)) continue;
+        snprintf(from, sizeof from, "%s/%s", conf.cg[done], sb->cgroup);
+        snprintf(to, sizeof to, "%s/%s", conf.cg[done], name);
+        if (rename(from, to) < 0) break;
+    }
+    if (done < conf.ncg) { /* back to its name: removed by the caller */
+        while (--done >= 0) {
+            if (in_parent_cpuset(conf.cg[done], sb->cgroup)) continue;
+            snprintf(from, sizeof from, "%s/%s", conf.cg[done], sb->cgroup);
+            snprintf(to, sizeof to, "%s/%s", conf.cg[done], name);
+            (void)rename(to, from);
+        }
+        return 0;
+    }
+    snprintf(kept[nkept].name, sizeof kept[nkept].name, "%s", name);
+    kept[nkept++].limits = sb->limits;
+    return 1;
+}
+
+/* In the spare, a kept cgroup's directory `dir` of hierarchy `h` made as a new one would be for the next
+ * sandbox: the counters the node reads zeroed (memory peak, fail counts, CPU usage), and what its last sandbox
+ * left charged at most KEPT_CHARGE_MAX. What is left is mostly page cache of the image's layers that it read
+ * first (its own files went with its mounts and upper directory; kernel objects still referenced are uncharged
+ * when freed): shared with every sandbox of the image and reclaimable under the next one's limit like its own,
+ * so it is reclaimed (memory.force_empty) only above the bound, rather than evicted for the next sandbox to
+ * read again at every create. */
+#define KEPT_CHARGE_MAX (16L << 20)
+static int reset_dir(const char *h, const char *dir) {
+    const char *base = base_name(h);
+    if (!strcmp(base, "memory")) {
+        static const char *zero[] = {"memory.max_usage_in_bytes", "memory.failcnt"};
+        static const char *zero_if_any[] = {"memory.memsw.max_usage_in_bytes", "memory.memsw.failcnt"};
+        char value[64];
+        if (read_file(dir, "memory.usage_in_bytes", value, sizeof value) < 0) return -1;
+        if (atol(value) > KEPT_CHARGE_MAX && write_file(dir, "memory.force_empty", "0") < 0) return -1;
+        for (size_t i = 0; i < sizeof zero / sizeof *zero; i++)
+            if (write_file(dir, zero[i], "0") < 0) return -1;
+        for (size_t i = 0; i < sizeof zero_if_any / sizeof *zero_if_any; i++)
+            if (write_file(dir, zero_if_any[i], "0") < 0 && errno != ENOENT) return -1;
+    } else if (!strcmp(base, "cpu") || !strcmp(base, "cpuacct") || !strcmp(base, "cpu,cpuacct")) {
+        if (write_file(dir, "cpuacct.usage", "0") < 0 && errno != ENOENT) return -1;
+    }
+    return 0;
+}
+
+/* In the spare, before it waits: make (or reset a kept one) and join its cgroup; 'j', or 'n' if any step
+ * failed */
 static char spare_cgroup(void) {
     char dir[4400], text[32];
     if (!spare_cgname[0]) return 'n';
     for (int i = 0; i < conf.ncg; i++) {
         if (in_parent_cpuset(conf.cg[i], spare_cgname)) continue;
         spare_cgroup_dir(dir, sizeof dir, conf.cg[i], spare_cgname);
-        if (mkdir(dir, 0755) < 0 || limit_dir(conf.cg[i], dir, &spare_limits, NULL) < 0) return 'n';
+        if (spare_reused ? reset_dir(conf.cg[i], dir) < 0 || limit_dir(conf.cg[i], dir, &spare_limits, &spare_was) < 0
+                         : mkdir(dir, 0755) < 0 || limit_dir(conf.cg[i], dir, &spare_limits, NULL) < 0)
+            return 'n';
     }
     snprintf(text, sizeof text, "%d", getpid());
     for (int i = 0; i < conf.ncg; i++) {
@@ -727,13 +847,8 @@ static char spare_cgroup(void) {
 
 /* The spare's cgroup directories once no process is in them (it was reaped, or moved to its sandbox's) */
 static void spare_cgroup_gone(void) {
-    char dir[4400];
     if (!spare_cgname[0]) return;
-    for (int i = 0; i < conf.ncg; i++) {
-        if (in_parent_cpuset(conf.cg[i], spare_cgname)) continue;
-        spare_cgroup_dir(dir, sizeof dir, conf.cg[i], spare_cgname);
-        (void)rmdir(dir);
-    }
+    remove_cgroup(spare_cgname);
     spare_cgname[0] = 0;
 }
 
@@ -822,7 +937,19 @@ static void make_spare(void) {
         return;
     }
     /* the parent is known once a create made it (see the main loop); the spare's limits are the last create's */
-    snprintf(spare_cgname, sizeof spare_cgname, "%s/.spare-%d-%d", ready_parent, (int)getpid(), ++spare_seq);
+    spare_reused = 0;
+    while (nkept > 0 && !spare_reused) { /* a kept cgroup of this parent if there is one (see keep_cgroup) */
+        const char *name = kept[--nkept].name;
+        size_t plen = strlen(ready_parent);
+        if (!strncmp(name, ready_parent, plen) && name[plen] == '/') {
+            snprintf(spare_cgname, sizeof spare_cgname, "%s", name);
+            spare_was = kept[nkept].limits, spare_reused = 1;
+        } else {
+            remove_cgroup(name);
+        }
+    }
+    if (!spare_reused)
+        snprintf(spare_cgname, sizeof spare_cgname, "%s/.spare-%d-%d", ready_parent, (int)getpid(), ++spare_seq);
     spare_limits = last_limits;
     unsigned long flags = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | SIGCHLD;
     pid_t pid = syscall(SYS_clone, flags, NULL, NULL, NULL, NULL);
@@ -977,6 +1104,7 @@ static void create(const struct request *r, int listen_fd) {
     }
     sandboxes[nsandboxes].pid = pid;
     snprintf(sandboxes[nsandboxes].cgroup, sizeof sandboxes[nsandboxes].cgroup, "%s", r->cgroup);
+    sandboxes[nsandboxes].limits = last_limits;
     sandboxes[nsandboxes++].destroy[0] = 0;
     pending[npending].fd = status[0];
     pending[npending].pid = pid;
@@ -1009,7 +1137,7 @@ static void finish(int i) {
 }
 
 /* A sandbox's init was reaped: the kernel killed the rest of its PID namespace before it could exit, so its
- * cgroup is empty; if the node asked to destroy it, remove the cgroup and answer */
+ * cgroup is empty; if the node asked to destroy it, keep (keep_cgroup) or remove the cgroup and answer */
 static void reaped(pid_t pid) {
     if (pid == spare_pid) { /* the spare died before any create took it (killed): make another */
         close(spare_sock);
@@ -1022,7 +1150,8 @@ static void reaped(pid_t pid) {
     if (sb->destroy[0]) {
         char dir[4200];
         const char *failed = NULL;
-        for (int i = 0; i < conf.ncg; i++) {
+        int kept_it = keep_cgroup(sb);
+        for (int i = 0; i < conf.ncg && !kept_it; i++) {
             if (in_parent_cpuset(conf.cg[i], sb->cgroup)) continue;
             snprintf(dir, sizeof dir, "%s/%s", conf.cg[i], sb->cgroup);
             if (rmdir(dir) < 0 && errno != ENOENT) failed = conf.cg[i];
@@ -1184,6 +1313,7 @@ out:
 /* Exit: the spare with its cgroup goes (sandboxes keep running) */
 static int leave(void) {
     if (spare_pid > 0) reap_spare();
+    while (nkept > 0) remove_cgroup(kept[--nkept].name);
     return 0;
 }
 

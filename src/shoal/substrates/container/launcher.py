@@ -22,11 +22,15 @@ create). At thousands of live sandboxes the kernel's per-create work grows with 
 superblock lookup, pivot_root's walk of every task, the cpu bandwidth check, a memory cgroup's removal
 walking every superblock's LRU lists): the launcher reaps by pid, writes the cfs period only if it differs
 from the kernel's default, binds one empty directory of the node's read-only onto a sandbox's masked
-directories (no superblock of their own) and lets sandboxes share their parent's cpuset.
+directories (no superblock of their own), lets sandboxes share their parent's cpuset, and keeps a destroyed
+sandbox's cgroup (emptied, renamed to a spare's, at most 16) for a later spare, which resets it (memory peak,
+fail count and CPU usage zeroed, what is still charged reclaimed above 16 MiB, limits written) instead of
+making one: no memory cgroup is taken offline per close. One where the OOM killer fired is removed (that
+count cannot be reset).
 
 The launcher is the init's parent and reaps it; it exits when the node's end of the socket closes (or on
-SIGTERM), removing its spare and the spare's cgroup (the node removes those of a launcher that was killed),
-and the sandboxes it made keep running (a restarted node re-adopts them from record.json and their cgroup).
+SIGTERM), removing its spare and the spare's and the kept cgroups (the node removes those of a launcher that
+was killed), and the sandboxes it made keep running (a restarted node re-adopts them from record.json and their cgroup).
 Limits: cgroup v1 and hybrid hosts only (v2 needs a device-control BPF program), no user namespace.
 """
 
@@ -131,7 +135,8 @@ def _message(op: str, fields: list[tuple[str, str]]) -> bytes:
 
 
 def remove_spare_cgroups(cgroup_parent: str, launcher_pid: int | None = None) -> None:
-    """Remove the cgroups where a launcher's spare waited (launcher.c, spare_cgroup): those of `launcher_pid`
+    """Remove the cgroups where a launcher's spare waited or that it kept for one (launcher.c, spare_cgroup and
+    keep_cgroup: `.spare-<launcher pid>-<n>`): those of `launcher_pid`
     (it exited), or of every launcher that no longer runs. A launcher removes its own when it leaves; one that
     was killed cannot, and its spare, which exits when the launcher's socket closes, may still be in it
     (cgroups.remove kills what is left)."""
@@ -187,7 +192,8 @@ class Launcher:
         return pid
 
     async def destroy(self, pid: int) -> bool:
-        """SIGKILL sandbox init `pid`, reaped and its cgroup removed by the launcher when this returns True.
+        """SIGKILL sandbox init `pid`, reaped and its cgroup removed (or kept, emptied, under a spare's name) by
+        the launcher when this returns True.
 
         False: the running launcher did not make it (a sandbox re-adopted from an earlier node, or one whose
         init is gone already), or no launcher runs: the caller kills it and removes its cgroup itself."""
