@@ -853,7 +853,7 @@ static void spare_cgroup_gone(void) {
 }
 
 /* A create takes the spare's cgroup: renamed to the sandbox's in every hierarchy, the limits that differ
- * written; NULL, or why not (then the directories are renamed back: the create makes the sandbox's) */
+ * written; NULL, or why not (then the directories are renamed back and the create fails: see create) */
 static const char *take_spare_cgroup(const struct request *r) {
     static char why[4800];
     char from[4400], to[4400];
@@ -1014,6 +1014,16 @@ static int spare_ready(void) {
     return 0;
 }
 
+/* A sandbox's init that will not start: SIGKILLed; a spare that kept its cgroup is reaped and the cgroup
+ * removed at once (no other step would: the spare is no longer the launcher's spare, nor yet a sandbox) */
+static void drop(pid_t pid, int spare_cgroup) {
+    kill(pid, SIGKILL);
+    if (!spare_cgroup) return;
+    while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {
+    }
+    spare_cgroup_gone();
+}
+
 static void create(const struct request *r, int listen_fd) {
     int sync[2] = {-1, -1}, status[2] = {-1, -1}, log_fd = -1, spare = -1, in_cgroup = 0;
     const char *why;
@@ -1031,7 +1041,10 @@ static void create(const struct request *r, int listen_fd) {
         return;
     }
     int use_spare = spare_ready();
-    if (use_spare && spare_answer == 'j' && spare_cgname[0] && !take_spare_cgroup(r)) in_cgroup = 1;
+    /* a spare in its own cgroup keeps it: renamed to the sandbox's and given its limits once the spare has the
+     * request (below), while it sets the sandbox up */
+    int take = use_spare && spare_answer == 'j' && spare_cgname[0];
+    if (take) in_cgroup = 1;
     else if ((why = make_cgroup(r))) {
         reply("%s err %s", r->id, why);
         return;
@@ -1076,16 +1089,29 @@ static void create(const struct request *r, int listen_fd) {
         int n = snprintf(text, sizeof text, "%d", pid);
         int fd = open(r->pidfile, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
         if (fd < 0 || write(fd, text, n) != n) {
-            kill(pid, SIGKILL);
-            reply("%s err %s: %s", r->id, r->pidfile, strerror(errno));
+            int saved = errno;
+            drop(pid, take);
+            reply("%s err %s: %s", r->id, r->pidfile, strerror(saved));
             if (fd >= 0) close(fd);
             goto out;
         }
         close(fd);
     }
     if (spare >= 0 ? send_to_spare(spare, listen_fd, log_fd, status[1]) < 0 : write(sync[1], "g", 1) != 1) {
-        kill(pid, SIGKILL);
-        reply("%s err starting the sandbox: %s", r->id, strerror(errno));
+        int saved = errno;
+        drop(pid, take);
+        reply("%s err starting the sandbox: %s", r->id, strerror(saved));
+        goto out;
+    }
+    /* Why here (issue 12): each rename waits for the cgroup mutex, which the kernel holds while it takes the
+     * last closed sandbox's memory cgroup offline (a walk of every superblock's LRU lists); the spare's setup
+     * (its mount namespace, pivot_root, seccomp, the agent's exec) no longer waits for it. The answer does:
+     * it is sent once the spare has exec'd (finish), after this returns. Until then the spare runs only this
+     * launcher's code, in this cgroup under the last create's limits, and it charges little (page tables, a
+     * few inodes) */
+    if (take && (why = take_spare_cgroup(r))) { /* renamed back: the spare and its cgroup go, the create fails */
+        drop(pid, take);
+        reply("%s err %s", r->id, why);
         goto out;
     }
     if (status[1] >= 0) { /* the spare has its own copy now: EOF on the status pipe once it has exec'd */
