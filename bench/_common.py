@@ -8,7 +8,9 @@ import statistics
 import time
 from pathlib import Path
 
+from shoal.config import Paths
 from shoal.demo import meminfo_used_mb  # noqa: F401 - re-exported for the benchmarks
+from shoal.node.daemon import running_pid
 
 IMAGES = os.environ.get("SHOAL_IMAGES", "/var/lib/shoal/store")
 
@@ -92,12 +94,9 @@ class BenchNode:
             print(f"note: node {self.foreign} already serves {self.home} (another run's?): left running at the end")
 
     def _holder(self) -> int | None:
-        """The pid of the live node holding this home's lock, or None."""
-        try:
-            pid = int((self.home / "node.lock").read_text())
-        except (OSError, ValueError):
-            return None
-        return pid if Path(f"/proc/{pid}").exists() else None
+        """The pid of the node holding this home's lock (its flock, not a pid left in the file: pids are reused
+        quickly, so a stale node.lock named live processes of others), or None."""
+        return running_pid(Paths(home=self.home, images=Path(IMAGES)))
 
     def stop(self) -> None:
         pid = self._holder()
