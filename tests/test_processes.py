@@ -46,8 +46,12 @@ def test_leftovers_are_listed_with_their_exec_and_killed_per_exec(client: shoal.
         second = sb.exec("sleep 104 >/dev/null 2>&1 & echo ok")
         assert first.stdout == second.stdout == "ok\n" and first.exec_id and second.exec_id != first.exec_id
         assert sb.exec("echo no leftovers").exec_id  # an exec that leaves nothing lists nothing
-        listed = {p["command"]: p for p in sb.processes()}
-        assert set(listed) == {"sleep 101", "sleep 102", "sleep 103", "sleep 104"}, listed
+        # `echo ok` may answer before a backgrounded child has exec'd its sleep (it is listed as the shell
+        # it forked from until then): wait for the four sleeps
+        want, deadline = {"sleep 101", "sleep 102", "sleep 103", "sleep 104"}, time.monotonic() + 10
+        while set(listed := {p["command"]: p for p in sb.processes()}) != want and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert set(listed) == want, listed
         for name in ("sleep 101", "sleep 102", "sleep 103"):  # setsid and double fork stay the first exec's
             assert listed[name]["exec_id"] == first.exec_id and listed[name]["exec_command"] == LEFTOVERS
         assert listed["sleep 104"]["exec_id"] == second.exec_id
