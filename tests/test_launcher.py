@@ -249,6 +249,30 @@ def test_a_closed_sandboxs_cgroup_serves_a_later_one_from_zero(tmp_path: Path) -
     assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
 
 
+def test_kept_cgroups_off_removes_every_closed_sandboxs_cgroup(tmp_path: Path) -> None:
+    """SHOAL_KEPT_CGROUPS=0 (for operators who want no cgroup to serve two sandboxes): each sandbox gets a new
+    cgroup and none is left under a spare's name but the waiting spare's own."""
+    node = NodeProcess(tmp_path / "home", f"shoal-test-launcher-nokeep-{os.getpid()}", SHOAL_KEPT_CGROUPS="0").start()
+    memory = cgroups.ROOT / "memory" / node.cgroup_parent
+    try:
+        with node.client() as client:
+            inos = []
+
+            def spare_waits() -> None:
+                parent = _launchers(node.pid)[0]
+                _until(lambda: any(".spare-" in Path(f"/proc/{p}/cgroup").read_text() for p in _launchers(parent)))
+
+            for _ in range(3):
+                with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as sb:
+                    inos.append((memory / sb.id).stat().st_ino)
+                spare_waits()
+            assert len(set(inos)) == 3, inos
+            assert len(list(memory.glob(".spare-*"))) <= 1  # the waiting spare's own
+    finally:
+        node.stop()
+    assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
 def test_the_cgroup_a_killed_launchers_spare_left_is_removed(tmp_path: Path) -> None:
     """A launcher removes its spare's cgroup as it leaves; one killed together with its node cannot. The next
     launcher removes such cgroups when it starts, and the node when it stops."""

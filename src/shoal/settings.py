@@ -174,6 +174,14 @@ RUNTIME: Setting[str] = _declare(
     "where this host supports it, else crun; decided once at node start, `shoal doctor` and the node's status say "
     "which and why), `shoal`, `crun`, `runc` or `runsc`. A create's `runtime=` overrides it.",
 )  # fmt: skip
+KEPT_CGROUPS: Setting[int] = _declare(
+    "SHOAL_KEPT_CGROUPS", int, 16, SANDBOX_KINDS,
+    "Closed sandboxes' cgroups the `shoal` launcher keeps, emptied and reset, for its next sandboxes instead of "
+    "removing them (a removal makes the kernel walk every live sandbox's superblocks). A reused cgroup starts with "
+    "usage, peak, fail counts and CPU time zeroed, but memory.stat's cumulative event counts continue from the "
+    "sandbox before; one where the OOM killer fired is never reused. 0: every closed sandbox's cgroup is removed "
+    "(at most 64).",
+)  # fmt: skip
 SEALED_RUNTIME: Setting[bool] = _declare(
     "SHOAL_SEALED_RUNTIME", bool, True, SANDBOX_KINDS,
     "Run crun/runc from one sealed in-memory copy per node (they skip re-executing themselves per create); 0: off.",

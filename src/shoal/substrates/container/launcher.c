@@ -55,6 +55,7 @@ static struct {
     char agent[4096];
     char empty[4096]; /* an empty directory of the node's: masked directories are read-only binds of it */
     long nofile;
+    int kept; /* at most this many closed sandboxes' cgroups kept (keep_cgroup; SHOAL_KEPT_CGROUPS) */
     uint64_t caps;
     int capmax;
     struct sock_filter *bpf;
@@ -723,8 +724,9 @@ static void spare_cgroup_dir(char *out, size_t size, const char *h, const char *
  * peak, fail counts and CPU usage zeroed, what is still charged reclaimed above a bound, the limits that
  * differ written; the devices list is every sandbox's). Only one whose counters the node reads can be reset or are
  * zero is kept: no OOM kill in it (memory.oom_control's count cannot be reset and the node reads it as the
- * sandbox's), not frozen, no task left. At most KEPT_MAX wait; the others are removed as before. */
-#define KEPT_MAX 16
+ * sandbox's), not frozen, no task left. At most conf.kept wait (SHOAL_KEPT_CGROUPS, 0: none); the others are
+ * removed as before. */
+#define KEPT_MAX 64 /* the most SHOAL_KEPT_CGROUPS may ask for */
 static struct {
     char name[2200];
     struct limits limits;
@@ -759,7 +761,7 @@ static int keep_cgroup(const struct sandbox *sb) {
     char dir[4400], from[4400], to[4400], value[64], name[2200];
     size_t plen = strlen(ready_parent);
     int memory = 0;
-    if (nkept == KEPT_MAX || strncmp(sb->cgroup, ready_parent, plen) || sb->cgroup[plen] != '/' ||
+    if (nkept >= conf.kept || strncmp(sb->cgroup, ready_parent, plen) || sb->cgroup[plen] != '/' ||
         strchr(sb->cgroup + plen + 1, '/'))
         return 0; /* full, or not a child of the parent the spares are made in (renamed within one parent) */
     for (int i = 0; i < conf.ncg; i++) {
@@ -1242,6 +1244,7 @@ static int init(char **fields, int nfields) {
         else if (!strcmp(k, "nofile")) conf.nofile = atol(v);
         else if (!strcmp(k, "caps")) conf.caps = strtoull(v, NULL, 16);
         else if (!strcmp(k, "capmax")) conf.capmax = atoi(v);
+        else if (!strcmp(k, "kept")) conf.kept = atoi(v) < KEPT_MAX ? atoi(v) : KEPT_MAX;
         else if (!strcmp(k, "mask") && conf.nmask < MAX_LIST) conf.mask[conf.nmask++] = strdup(v);
         else if (!strcmp(k, "ro") && conf.nro < MAX_LIST) conf.ro[conf.nro++] = strdup(v);
         else if (!strcmp(k, "cg") && conf.ncg < MAX_LIST) conf.cg[conf.ncg++] = strdup(v);

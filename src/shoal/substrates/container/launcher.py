@@ -48,7 +48,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-from shoal import cgroups, spawn
+from shoal import cgroups, settings, spawn
 from shoal.cbuild import static_binary
 from shoal.errors import InvalidRequestError, SandboxLostError
 from shoal.substrates.container import oci
@@ -119,6 +119,7 @@ def _init_fields(agent_binary: str, empty: Path) -> list[tuple[str, str]]:
         ("nofile", str(min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))),
         ("caps", f"{caps:x}"),
         ("capmax", str(capmax)),
+        ("kept", str(max(0, settings.KEPT_CGROUPS.get()))),
         ("bpf", base64.b64decode(bpf).hex()),
     ]
     fields += [("mask", p) for p in oci.MASKED_PATHS] + [("ro", p) for p in oci.READONLY_PATHS]
