@@ -23,7 +23,7 @@ superblock lookup, pivot_root's walk of every task, the cpu bandwidth check, a m
 walking every superblock's LRU lists): the launcher reaps by pid, writes the cfs period only if it differs
 from the kernel's default, binds one empty directory of the node's read-only onto a sandbox's masked
 directories (no superblock of their own), lets sandboxes share their parent's cpuset, and keeps a destroyed
-sandbox's cgroup (emptied, renamed to a spare's, at most 16) for a later spare, which resets it (memory peak,
+sandbox's cgroup (emptied, renamed to a spare's, at most SHOAL_KEPT_CGROUPS) for a later spare, which resets it (memory peak,
 fail count and CPU usage zeroed, what is still charged reclaimed above 16 MiB, limits written) instead of
 making one: no memory cgroup is taken offline per close. One where the OOM killer fired is removed (that
 count cannot be reset).
