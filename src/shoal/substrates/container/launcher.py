@@ -23,10 +23,10 @@ superblock lookup, pivot_root's walk of every task, the cpu bandwidth check, a m
 walking every superblock's LRU lists): the launcher reaps by pid, writes the cfs period only if it differs
 from the kernel's default, binds one empty directory of the node's read-only onto a sandbox's masked
 directories (no superblock of their own), lets sandboxes share their parent's cpuset, and keeps a destroyed
-sandbox's cgroup (emptied, renamed to a spare's, at most SHOAL_KEPT_CGROUPS) for a later spare, which resets it (memory peak,
-fail count and CPU usage zeroed, what is still charged reclaimed above 16 MiB, limits written) instead of
-making one: no memory cgroup is taken offline per close. One where the OOM killer fired is removed (that
-count cannot be reset).
+sandbox's cgroup (emptied, renamed to a spare's, at most SHOAL_KEPT_CGROUPS) for a later spare, which resets
+it (memory peak, fail count and CPU usage zeroed, what is still charged reclaimed above 16 MiB, limits
+written) instead of making one: no memory cgroup is taken offline per close. One where the OOM killer fired
+is removed (that count cannot be reset).
 
 The launcher is the init's parent and reaps it; it exits when the node's end of the socket closes (or on
 SIGTERM), removing its spare and the spare's and the kept cgroups (the node removes those of a launcher that
