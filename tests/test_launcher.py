@@ -206,11 +206,6 @@ def test_a_closed_sandboxs_cgroup_serves_a_later_one_from_zero(tmp_path: Path) -
     node = NodeProcess(tmp_path / "home", f"shoal-test-launcher-kept-{os.getpid()}").start()
     memory = cgroups.ROOT / "memory" / node.cgroup_parent
 
-    def spare_waits() -> None:  # the launcher makes its spare while idle; a create then takes its cgroup
-        parent = _launchers(node.pid)[0]
-        _until(lambda: any(".spare-" in Path(f"/proc/{p}/cgroup").read_text() for p in _launchers(parent)))
-        time.sleep(0.05)  # its answer, sent once it joined
-
     try:
         with node.client() as client:
             inos, burnt = set(), 0.0
@@ -221,7 +216,7 @@ def test_a_closed_sandboxs_cgroup_serves_a_later_one_from_zero(tmp_path: Path) -
                     assert int((memory / sb.id / "memory.max_usage_in_bytes").read_text()) > 40 << 20
                     burnt = max(burnt, sb.usage()["cpu_s"])
                     inos.add((memory / sb.id).stat().st_ino)
-                spare_waits()
+                _spare_waits(node)
             with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300, memory_mb=64, pids=40) as sb:
                 assert (memory / sb.id).stat().st_ino in inos  # a kept one, renamed
                 used = sb.usage()
@@ -235,9 +230,9 @@ def test_a_closed_sandboxs_cgroup_serves_a_later_one_from_zero(tmp_path: Path) -
                 sb.exec("head -c 100m /dev/zero > /dev/shm/fill; true")
                 assert cgroups.oom_kills(f"/{node.cgroup_parent}/{sb.id}") > 0
                 oomed = (memory / sb.id).stat().st_ino
-            spare_waits()
+            _spare_waits(node)
             with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as sb:
-                spare_waits()
+                _spare_waits(node)
                 with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as other:
                     for each in (sb, other):
                         assert (memory / each.id).stat().st_ino != oomed
@@ -257,15 +252,10 @@ def test_kept_cgroups_off_removes_every_closed_sandboxs_cgroup(tmp_path: Path) -
     try:
         with node.client() as client:
             inos = []
-
-            def spare_waits() -> None:
-                parent = _launchers(node.pid)[0]
-                _until(lambda: any(".spare-" in Path(f"/proc/{p}/cgroup").read_text() for p in _launchers(parent)))
-
             for _ in range(3):
                 with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as sb:
                     inos.append((memory / sb.id).stat().st_ino)
-                spare_waits()
+                _spare_waits(node)
             assert len(set(inos)) == 3, inos
             assert len(list(memory.glob(".spare-*"))) <= 1  # the waiting spare's own
     finally:
@@ -450,6 +440,14 @@ def test_the_runtime_refuses_what_it_does_not_do(client: shoal.Client) -> None:
         launcher.check_host(100000)
     with pytest.raises(shoal.InvalidRequestError, match="shoal"):  # the list of runtimes names it
         client.create(image="busybox", runtime="nope")
+
+
+def _spare_waits(node: NodeProcess) -> None:
+    """Until the node's launcher has made its spare (while idle) and the spare joined its cgroup: a create then
+    takes that cgroup."""
+    parent = _launchers(node.pid)[0]
+    _until(lambda: any(".spare-" in Path(f"/proc/{p}/cgroup").read_text() for p in _launchers(parent)))
+    time.sleep(0.05)  # its answer, sent once it joined
 
 
 def _launchers(parent: int) -> list[int]:
