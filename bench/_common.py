@@ -28,11 +28,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def launcher_cpu_seconds(node_pid: int) -> float:
-    """CPU the node's running shoal-launcher (runtime="shoal") has used: a child the node reaps only when it
-    stops, so the node's cutime/cstime miss it while it serves. Its own time only: the sandboxes it reaps are
-    counted in their cgroups already."""
-    total = 0.0
+def launcher_pids(parent_pid: int) -> list[int]:
+    """The shoal-launcher processes whose parent is `parent_pid` (a node's launcher, or a launcher's spare)."""
+    found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -40,9 +38,24 @@ def launcher_cpu_seconds(node_pid: int) -> float:
             stat = (proc / "stat").read_text()
         except OSError:
             continue
-        name, fields = stat[stat.find("(") + 1 : stat.rfind(")")], stat.rsplit(")", 1)[1].split()
-        if name == "shoal-launcher" and int(fields[1]) == node_pid:
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if (
+            stat[stat.find("(") + 1 : stat.rfind(")")] == "shoal-launcher"
+            and int(stat.rsplit(")", 1)[1].split()[1]) == parent_pid
+        ):
+            found.append(int(proc.name))
+    return found
+
+
+def launcher_cpu_seconds(node_pid: int) -> float:
+    """CPU the node's running shoal-launcher (runtime="shoal") has used: a child the node reaps only when it
+    stops, so the node's cutime/cstime miss it while it serves. Its own time only: the sandboxes it reaps are
+    counted in their cgroups already."""
+    total = 0.0
+    for pid in launcher_pids(node_pid):
+        try:
+            total += cpu_seconds(pid)
+        except OSError:  # it exited since
+            pass
     return total
 
 

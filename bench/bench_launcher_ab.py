@@ -24,22 +24,13 @@ from pathlib import Path
 ONE = r"""
 import asyncio, os, shutil, socket, statistics, sys, tempfile, time
 from pathlib import Path
+sys.path.insert(0, sys.argv[3])  # bench/, for _common
+from _common import launcher_pids
 from shoal import cgroups
 from shoal.images import Image
 from shoal.images.store import ImageConfig
 from shoal.protocol import SandboxSpec
 from shoal.substrates.container.substrate import ContainerSubstrate
-
-def children(pid):
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            stat = (proc / "stat").read_text() if proc.name.isdigit() else ""
-        except OSError:
-            continue
-        if "(shoal-launcher)" in stat and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(proc.name))
-    return found
 
 def run_ns(pid):
     return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
@@ -56,8 +47,8 @@ async def main(n, gap):
     try:
         for i in range(n + 3):  # 3 to warm up: the launcher starts on the first
             await asyncio.sleep(gap)
-            launchers = children(os.getpid())
-            spares = children(launchers[0]) if launchers else []
+            launchers = launcher_pids(os.getpid())
+            spares = launcher_pids(launchers[0]) if launchers else []
             before = run_ns(spares[0]) if len(spares) == 1 else None
             t = time.perf_counter()
             instance = await substrate.create(f"b{i}", spec, image)
@@ -84,7 +75,8 @@ asyncio.run(main(int(sys.argv[1]), float(sys.argv[2])))
 
 def one(src: str, n: int, gap: float) -> tuple[float, float, int]:
     env = dict(os.environ, PYTHONPATH=src)
-    out = subprocess.run([sys.executable, "-c", ONE, str(n), str(gap)], env=env, capture_output=True, text=True)
+    argv = [sys.executable, "-c", ONE, str(n), str(gap), str(Path(__file__).resolve().parent)]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{src}: {out.stderr.strip()[-2000:]}")
     latency, spare, served = out.stdout.split()
