@@ -59,7 +59,10 @@ def run_beside(
 
 def test_fork_bomb(client: shoal.Client, neighbour: shoal.Sandbox) -> None:
     with client.create(image="busybox", pids=256, pool=False) as abuser:
-        r = run_beside(client, neighbour, abuser, "bomb() { bomb | bomb & }; bomb; sleep 4", timeout=4)
+        # the shell starts the bomb in a subshell and becomes `sleep` by exec: a fork of its own for the sleep could
+        # fail once the bomb has taken every pid, and the shell would exit before the neighbour is checked
+        bomb = "(bomb() { bomb | bomb & }; bomb) & exec sleep 30"
+        r = run_beside(client, neighbour, abuser, bomb, timeout=4)
         assert r.timed_out  # the tree (every bomb process) was killed at the timeout
         time.sleep(0.5)
         assert abuser.exec("echo recovered", timeout=20).stdout == "recovered\n"
