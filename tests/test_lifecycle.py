@@ -194,6 +194,20 @@ def test_a_step_whose_client_died_keeps_the_sandbox_busy(client: shoal.Client, n
     assert steps[0]["result"]["stdout"] == b"" and steps[0]["error"] is None  # it ran to the end, logged
 
 
+def test_a_script_that_never_closes_its_client_exits_quietly(node: NodeProcess) -> None:
+    """A blocking client left open at interpreter exit cancels its own tasks (no asyncio warnings on stderr)."""
+    script = (
+        "import sys, shoal\n"
+        "c = shoal.Client(home=sys.argv[1])\n"
+        "sb = c.create(image='busybox', pool=False, idle_timeout_s=60)\n"
+        "print(sb.exec('echo hi').stdout, end='')\n"
+        "sb.close()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(node.home)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "hi\n", out
+    assert out.stderr == "", out.stderr
+
+
 def _wait_closed(client: shoal.Client, sandbox_id: str, timeout: float = 30.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -6,6 +6,7 @@ import asyncio
 import os
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -35,6 +36,9 @@ class _Loop:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="shoal-client", daemon=True)
         self.thread.start()
+        # a script that ends without close(): its loop's tasks are cancelled at exit instead of being collected pending
+        # (which printed "Task was destroyed but it is pending!"); the node keeps its sandboxes either way
+        weakref.finalize(self, _shut_down, self.loop, self.thread)
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -49,6 +53,24 @@ class _Loop:
         self.thread.join(timeout=5)
         if not self.thread.is_alive():
             self.loop.close()
+
+
+def _shut_down(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    if loop.is_closed() or not thread.is_alive():
+        return
+
+    async def cancel_all() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(timeout=2)
+    except Exception:  # noqa: BLE001 - best effort at interpreter exit
+        pass
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=2)
 
 
 class Client:
