@@ -149,6 +149,22 @@ def leftovers(home: Path, cgroup_parent: str, node_stopped: bool = False) -> dic
             "nft": nft, "loops": loops, "vm_files": vm_files, "layers": layer_mounts(home)}  # fmt: skip
 
 
+def until(condition, timeout: float = 60.0, what: str = "condition"):  # noqa: ANN001, ANN201
+    """Poll `condition()` until it returns something truthy, and return that; fail naming `what` after `timeout` s.
+
+    The tests' one polling helper. The pause between polls grows from 10 ms to 250 ms: a quick condition is seen
+    quickly, and a slow one (a screen, a guest under TCG) is not polled hard enough to slow what it waits for."""
+    deadline, pause = time.monotonic() + timeout, 0.01
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.25)
+
+
 def sandbox_pid(home: Path, sandbox_id: str) -> int:
     """The host pid of a container sandbox's agent (its init), as the node recorded it in record.json."""
     record = json.loads((home / "sandboxes" / sandbox_id / "record.json").read_text())

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import until
 
 import shoal
 from shoal.protocol import cut_marker
@@ -260,9 +261,7 @@ def test_a_full_disk_does_not_stop_the_other_sandboxes_steps(tmp_path: Path) -> 
                 assert neighbour.exec(f"echo {i}").stdout == f"{i}\n"
             # SQLite gets the journaled steps in a batch up to SHOAL_LOG_BATCH_MS later: that write is the one
             # the full disk refuses, and the reserve is given up for it
-            deadline = time.monotonic() + 10
-            while c.status()["trajectory"]["reserve_released"] == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            until(lambda: c.status()["trajectory"]["reserve_released"], 10, "the reserve to be released")
             assert c.status()["trajectory"]["reserve_released"] == 1
             assert len(neighbour.log()) == 21
             assert abuser.exec("rm /fill && echo freed").stdout == "freed\n"

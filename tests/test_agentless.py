@@ -18,12 +18,11 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 from agentless_guest import BOOT_CODE, guest_files
-from conftest import NodeProcess, no_leftovers
+from conftest import NodeProcess, no_leftovers, until
 
 import shoal
 from shoal import settings
@@ -67,11 +66,11 @@ def test_a_disk_that_boots_by_its_own_loader(client: shoal.Client, boot_sector_i
             shots.append(vm.gui.screenshot())
             return len(shots) > 1 and shots[-1].png == shots[-2].png and shots[-1].width == 720
 
-        _wait(booted, 120, "the boot sector's text screen")
+        until(booted, 120, "the boot sector's text screen")
         assert (shots[-1].width, shots[-1].height) == (720, 400)
         vm.gui.click(700, 390)  # scaled to the guest's own screen size
         vm.gui.type("typed")
-        _wait(lambda: vm.gui.screenshot().png != shots[-1].png, 60, "the echoed keys on the screen")
+        until(lambda: vm.gui.screenshot().png != shots[-1].png, 60, "the echoed keys on the screen")
         with pytest.raises(shoal.NoAgentError):
             vm.files.write("/x", b"y")
 
@@ -84,14 +83,6 @@ def _http_get(address: str, path: str = "/") -> bytes:
         while chunk := conn.recv(65536):
             data += chunk
     return data
-
-
-def _wait(condition, timeout: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.2)
 
 
 def _qemu_of(sandbox_id: str) -> list[int]:
@@ -127,7 +118,7 @@ def test_an_agentless_vm_gui_ports_and_refusals(client: shoal.Client, guest_imag
         vm.gui.click(10, 10)
         vm.gui.type("echo typed through qmp")
         vm.gui.key("Return")
-        _wait(lambda: vm.gui.screenshot().png != first.png, 120, "the typed line on the screen")
+        until(lambda: vm.gui.screenshot().png != first.png, 120, "the typed line on the screen")
         assert "gui" in [step["op"] for step in vm.log()]
 
         vm.pause()  # QEMU saved and stopped; a resume is a new QEMU in a new namespace, with new forwards
@@ -135,7 +126,7 @@ def test_an_agentless_vm_gui_ports_and_refusals(client: shoal.Client, guest_imag
             assert b"agentless-guest-ok" in _http_get(web.address)
         pid = _qemu_of(vm.id)
         assert pid, "the vm's QEMU runs"
-    _wait(lambda: not _qemu_of(vm.id), 30, "the vm's QEMU to end after close")
+    until(lambda: not _qemu_of(vm.id), 30, "the vm's QEMU to end after close")
 
 
 def test_adb_client_through_the_private_network(client: shoal.Client, guest_image: str) -> None:
@@ -157,7 +148,7 @@ def test_adb_client_through_the_private_network(client: shoal.Client, guest_imag
                     got.append(_http_get(web.address, "/adb.bin").partition(b"\r\n\r\n")[2])
                     return got[-1].startswith(b"CNXN")
 
-                _wait(recorded, 60, "the guest's copy of adb's CNXN packet")
+                until(recorded, 60, "the guest's copy of adb's CNXN packet")
             assert b"host::" in got[-1]  # adb's connect message: "host::features=..."
         finally:
             connecting.kill()
@@ -222,7 +213,7 @@ def test_android_image_end_to_end(client: shoal.Client) -> None:
     try:
         with client.create("vm", image=name, memory_mb=2048, cpu=2, pool=False, ttl_s=3600) as phone:
             with phone.adb() as adb:
-                _wait(lambda: "device" in adb.run("get-state").stdout, 600, "adb get-state: device")
+                until(lambda: "device" in adb.run("get-state").stdout, 600, "adb get-state: device")
                 release = adb.run("shell", "getprop ro.build.version.release").stdout.strip()
                 assert release, "getprop answered nothing"
             shot = phone.gui.screenshot()

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import no_leftovers
+from conftest import no_leftovers, until
 from e2b import (
     AsyncSandbox,
     AuthenticationException,
@@ -87,16 +87,6 @@ def sbx(e2b_env: dict[str, str]) -> Iterator[Sandbox]:
         sandbox.kill()
     except NotFoundException:
         pass
-
-
-def wait_for(condition, timeout: float = 60.0, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(interval)
 
 
 def test_commands_foreground_env_cwd_exit(sbx: Sandbox) -> None:
@@ -303,7 +293,7 @@ def test_a_handed_off_port_is_the_nodes_until_its_serve_stops(cluster, tmp_path:
             return True
         return False
 
-    wait_for(refused, timeout=30)
+    until(refused, timeout=30)
 
 
 def test_commands_streaming_callbacks(sbx: Sandbox) -> None:
@@ -321,7 +311,7 @@ def test_commands_timeout(sbx: Sandbox) -> None:
     assert time.monotonic() - started < 50  # not the sleep's full minute (a generous bound, not a timing claim)
     # the timed-out command was killed, not left running in the sandbox
     count_sleepers = "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' '\\n' | grep -cx 60 || true"
-    wait_for(lambda: sbx.commands.run(count_sleepers).stdout.strip() == "0")
+    until(lambda: sbx.commands.run(count_sleepers).stdout.strip() == "0")
 
 
 def test_background_list_connect_kill(sbx: Sandbox) -> None:
@@ -331,14 +321,14 @@ def test_background_list_connect_kill(sbx: Sandbox) -> None:
     assert listed.cmd == "/bin/bash" and listed.args[-1] == "echo started; touch /tmp/bg; sleep 120"
     # a second client attaches to the running command
     attached = sbx.commands.connect(handle.pid)
-    wait_for(lambda: sbx.files.exists("/tmp/bg"))
+    until(lambda: sbx.files.exists("/tmp/bg"))
     assert sbx.commands.kill(handle.pid) is True
     with pytest.raises(CommandExitException):
         attached.wait()
     with pytest.raises(CommandExitException) as info:
         handle.wait()
     assert info.value.stdout == "started\n"
-    wait_for(lambda: handle.pid not in [p.pid for p in sbx.commands.list()])
+    until(lambda: handle.pid not in [p.pid for p in sbx.commands.list()])
     assert sbx.commands.kill(handle.pid) is False  # gone
 
 
@@ -419,10 +409,10 @@ def test_files_watch(sbx: Sandbox) -> None:
     handle = sbx.files.watch_dir("/work/w")
     try:
         sbx.files.write("/work/w/new.txt", "x")
-        events = wait_for(lambda: [e for e in handle.get_new_events() if e.name == "new.txt"])
+        events = until(lambda: [e for e in handle.get_new_events() if e.name == "new.txt"])
         assert events[0].type.name == "CREATE"
         sbx.commands.run("rm /work/w/new.txt")
-        wait_for(lambda: [e for e in handle.get_new_events() if e.type.name == "REMOVE"])
+        until(lambda: [e for e in handle.get_new_events() if e.type.name == "REMOVE"])
     finally:
         handle.stop()
 
@@ -620,7 +610,7 @@ def test_get_host_reaches_a_port_in_the_sandbox(sbx: Sandbox, cluster, e2b_env: 
         answer = httpx.get(url, timeout=30)
         return answer if answer.status_code != 502 else None  # 502 until the server listens
 
-    answer = wait_for(lambda: fetch(f"http://{host}/hello.txt"), timeout=120, interval=0.2)
+    answer = until(lambda: fetch(f"http://{host}/hello.txt"), timeout=120)
     assert answer.status_code == 200 and answer.text == "hello e2b"
     key = host.partition("@")[0].rpartition(".")[2]
     relay = host.partition("@")[2]

@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import no_leftovers
+from conftest import no_leftovers, until
 from e2b_desktop import Sandbox
 
 from shoal.cluster.local import LocalCluster
@@ -59,16 +58,6 @@ def _use(hosted: tuple[LocalCluster, dict[str, str]], where: str, monkeypatch: p
 def _png_size(data: bytes) -> tuple[int, int]:
     assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR"
     return struct.unpack(">II", data[16:24])
-
-
-def wait_for(condition, timeout: float = 120.0, interval: float = 0.2):  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(interval)
 
 
 def _windows(desk: Sandbox, cls: str) -> list[str]:
@@ -120,18 +109,18 @@ def test_desktop_sdk_against_a_node(hosted, monkeypatch: pytest.MonkeyPatch) -> 
 
         # an xterm, typed into through the SDK alone; the file it makes is checked with commands.run
         desk.commands.run("xterm -title e2bterm -geometry 80x20+40+40", background=True)
-        window = wait_for(lambda: _windows(desk, "xterm"))[0]
+        window = until(lambda: _windows(desk, "xterm"), timeout=120)[0]
         assert desk.get_window_title(window) == "e2bterm"
         shell = desk.commands.run(f"xdotool getwindowgeometry --shell {window}").stdout
         geometry = dict(line.split("=", 1) for line in shell.split())
         cx, cy = int(geometry["X"]) + int(geometry["WIDTH"]) // 2, int(geometry["Y"]) + int(geometry["HEIGHT"]) // 2
         desk.left_click(cx, cy)
         assert desk.get_cursor_position() == (cx, cy)
-        wait_for(lambda: desk.get_current_window_id() == window, timeout=30)
+        until(lambda: desk.get_current_window_id() == window, timeout=30)
         before = bytes(desk.screenshot())
         desk.write("echo typed-by-e2b > /tmp/e2b-desktop-ok", chunk_size=20, delay_in_ms=10)
         desk.press("enter")
-        wait_for(lambda: desk.files.exists("/tmp/e2b-desktop-ok"), timeout=60)
+        until(lambda: desk.files.exists("/tmp/e2b-desktop-ok"), timeout=60)
         assert desk.commands.run("cat /tmp/e2b-desktop-ok").stdout == "typed-by-e2b\n"
         assert bytes(desk.screenshot()) != before  # the typed line and its output are on the screen
         desk.press(["ctrl", "l"])  # a chord: xdotool key Control_L+l clears the terminal

@@ -11,6 +11,7 @@ import time
 import zlib
 
 import pytest
+from conftest import until
 
 import shoal
 
@@ -41,27 +42,20 @@ def _pixel(shot: shoal.Screenshot, x: int, y: int) -> tuple[int, int, int]:
     return rgb[0], rgb[1], rgb[2]
 
 
-def _wait(condition, timeout: float = 60.0, what: str = "") -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def test_type_into_a_terminal_through_the_gui_alone(client: shoal.Client) -> None:
     with client.create("container", image="desktop", screen=(1024, 640), pool=False, ttl_s=600) as sb:
         first = sb.gui.screenshot()
         assert first.size == (1024, 640) and _png_size(first.png) == (1024, 640)
         assert len(_png_pixels(first.png)) == 640 * (1 + 1024 * 3)
         # the xterm (white) maps at the top left of the black root shortly after the display starts
-        _wait(lambda: _pixel(sb.gui.screenshot(), 100, 100) != (0, 0, 0), what="the xterm to draw")
+        until(lambda: _pixel(sb.gui.screenshot(), 100, 100) != (0, 0, 0), what="the xterm to draw")
         # focus follows the pointer (no window manager): point into the terminal, then type
         sb.gui.click(100, 100)
         assert sb.gui.cursor() == (100, 100)
         before = sb.gui.screenshot()
         sb.gui.type("echo hi > /tmp/gui-ok")
         sb.gui.key("Return")
-        _wait(lambda: sb.exec("test -f /tmp/gui-ok").exit_code == 0, what="/tmp/gui-ok")
+        until(lambda: sb.exec("test -f /tmp/gui-ok").exit_code == 0, what="/tmp/gui-ok")
         assert sb.files.read_text("/tmp/gui-ok") == "hi\n"
         after = sb.gui.screenshot()
         assert after.size == (1024, 640) and _png_pixels(after.png) != _png_pixels(before.png)
@@ -131,7 +125,7 @@ def test_a_vm_screen_through_qmp_alone(client: shoal.Client) -> None:
         before = vm.gui.screenshot()
         vm.gui.type("echo hi > /tmp/gui-ok")
         vm.gui.key("Return")
-        _wait(lambda: vm.exec("test -f /tmp/gui-ok").exit_code == 0, timeout=120, what="/tmp/gui-ok")
+        until(lambda: vm.exec("test -f /tmp/gui-ok").exit_code == 0, timeout=120, what="/tmp/gui-ok")
         assert vm.files.read_text("/tmp/gui-ok") == "hi\n"
         assert "echo hi > /tmp/gui-ok" in vm.exec("cat /dev/vcs1").stdout  # the console shows what was typed
         after = vm.gui.screenshot()
@@ -245,7 +239,7 @@ def test_live_view_of_a_desktop_through_gateway_and_node(view_cluster, tmp_path)
     with shoal.Client(f"shoal://{gw.address}", token=bob) as c:
         sb = c.create("container", image="desktop", screen=(800, 600), pool=False, ttl_s=600)
         try:
-            _wait(lambda: _pixel(sb.gui.screenshot(), 100, 100) != (0, 0, 0), what="the xterm to draw")
+            until(lambda: _pixel(sb.gui.screenshot(), 100, 100) != (0, 0, 0), what="the xterm to draw")
             with shoal.Client(f"shoal://{node.address}", token=bob) as direct:
                 urls = [sb.view(), direct.get(sb.id).view()]
             assert urls[0].startswith(f"http://{gw.http}/view/{sb.id}/5900.")
@@ -271,17 +265,17 @@ def test_fork_of_a_vm_with_a_screen(client: shoal.Client) -> None:
     with client.create("vm", image="debian", screen=(1024, 768), pool=False, ttl_s=900) as vm:
         vm.gui.type("echo parent\n")
         console = lambda: vm.exec("cat /dev/vcs1").stdout.split("echo parent", 1)[-1].rstrip()  # noqa: E731
-        _wait(lambda: "parent" in console() and console().endswith("#"), what="the echo and the next prompt")
+        until(lambda: "parent" in console() and console().endswith("#"), what="the echo and the next prompt")
         kids = vm.fork(count=2)
         try:
             assert all(isinstance(k, shoal.Sandbox) for k in kids), kids
             assert [k.gui.screenshot().size for k in kids] == [(1024, 768), (1024, 768)]  # type: ignore[union-attr]
             same = lambda: len({_png_pixels(k.gui.screenshot().png) for k in kids}) == 1  # type: ignore[union-attr]  # noqa: E731
-            _wait(same, what="the copies to show the same screen")
+            until(same, what="the copies to show the same screen")
             kids[0].gui.type("echo first copy\n")  # type: ignore[union-attr]
             kids[1].gui.type("echo second\n")  # type: ignore[union-attr]
             for kid, text in zip(kids, ["first copy", "second"], strict=True):
-                _wait(lambda k=kid, t=text: f"echo {t}" in k.exec("cat /dev/vcs1").stdout, what=text)
+                until(lambda k=kid, t=text: f"echo {t}" in k.exec("cat /dev/vcs1").stdout, what=text)
             shots = [k.gui.screenshot() for k in kids]  # type: ignore[union-attr]
             assert _png_pixels(shots[0].png) != _png_pixels(shots[1].png)
         finally:
@@ -315,12 +309,12 @@ def test_a_vm_desktop_through_the_gui_alone(client: shoal.Client) -> None:
         first = vm.gui.screenshot()
         assert first.size == (1024, 768) and _png_size(first.png) == (1024, 768)
         vm.gui.move(300, 200)  # the tablet's absolute position is where X puts its pointer
-        _wait(lambda: _near(_x_pointer(vm), (300, 200)), timeout=120, what="X's pointer at 300,200")
+        until(lambda: _near(_x_pointer(vm), (300, 200)), timeout=120, what="X's pointer at 300,200")
         vm.gui.click(100, 100)  # into the xterm: focus follows the pointer
         before = vm.gui.screenshot()
         vm.gui.type("echo hi > /tmp/gui-ok")
         vm.gui.key("Return")
-        _wait(lambda: vm.exec("test -f /tmp/gui-ok").exit_code == 0, timeout=120, what="/tmp/gui-ok")
+        until(lambda: vm.exec("test -f /tmp/gui-ok").exit_code == 0, timeout=120, what="/tmp/gui-ok")
         assert vm.files.read_text("/tmp/gui-ok") == "hi\n"
         after = vm.gui.screenshot()
         assert after.size == (1024, 768) and _png_pixels(after.png) != _png_pixels(before.png)
@@ -331,7 +325,7 @@ def test_a_vm_desktop_through_the_gui_alone(client: shoal.Client) -> None:
         time.sleep(4)  # the guest's USB autosuspend delay is 2 s
         vm.gui.click(100, 100)
         vm.gui.type("echo again > /tmp/gui-again\n")
-        _wait(lambda: vm.exec("test -f /tmp/gui-again").exit_code == 0, timeout=60, what="/tmp/gui-again")
+        until(lambda: vm.exec("test -f /tmp/gui-again").exit_code == 0, timeout=60, what="/tmp/gui-again")
 
 
 def test_fork_of_a_vm_desktop(client: shoal.Client) -> None:
@@ -339,18 +333,18 @@ def test_fork_of_a_vm_desktop(client: shoal.Client) -> None:
     with _vm_desktop(client) as vm:
         vm.gui.click(100, 100)
         vm.gui.type("echo parent > /tmp/parent\n")
-        _wait(lambda: vm.exec("test -f /tmp/parent").exit_code == 0, timeout=120, what="/tmp/parent")
+        until(lambda: vm.exec("test -f /tmp/parent").exit_code == 0, timeout=120, what="/tmp/parent")
         kids = vm.fork(count=2)
         try:
             assert all(isinstance(k, shoal.Sandbox) for k in kids), kids
             assert [k.gui.screenshot().size for k in kids] == [(1024, 768), (1024, 768)]  # type: ignore[union-attr]
             same = lambda: len({_png_pixels(k.gui.screenshot().png) for k in kids}) == 1  # type: ignore[union-attr]  # noqa: E731
-            _wait(same, timeout=120, what="the copies to show the same screen")
+            until(same, timeout=120, what="the copies to show the same screen")
             for kid, text in zip(kids, ["first copy", "second"], strict=True):
                 kid.gui.type(f"echo {text} > /tmp/kid\n")  # type: ignore[union-attr]
             for kid, text in zip(kids, ["first copy", "second"], strict=True):
                 read = lambda k=kid: k.exec("cat /tmp/kid 2>/dev/null").stdout  # noqa: E731
-                _wait(lambda r=read, t=text: r() == t + "\n", timeout=120, what=text)
+                until(lambda r=read, t=text: r() == t + "\n", timeout=120, what=text)
             shots = [k.gui.screenshot() for k in kids]  # type: ignore[union-attr]
             assert _png_pixels(shots[0].png) != _png_pixels(shots[1].png)
         finally:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, leftovers, no_leftovers, runtime_unavailable, sandbox_pid, sandbox_roots
+from conftest import NodeProcess, leftovers, no_leftovers, runtime_unavailable, sandbox_pid, sandbox_roots, until
 
 import shoal
 from shoal import cgroups
@@ -107,16 +107,16 @@ def test_the_launcher_makes_the_next_sandbox_init_ahead_and_it_ends_with_the_lau
         with node.client() as client:
             client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300).close()  # starts the launcher
             launcher_pid = _launchers(node.pid)[0]
-            _until(lambda: len(_launchers(launcher_pid)) == 1)
+            until(lambda: len(_launchers(launcher_pid)) == 1)
             spare = _launchers(launcher_pid)[0]
             kinds = ("pid_for_children", "net", "ipc", "uts")
             assert all(_ns(spare, k) != _ns(launcher_pid, k) for k in kinds)
             assert _ns(spare, "mnt") == _ns(launcher_pid, "mnt")  # made at the create, from the mounts then
             # it waits in a cgroup made for the next sandbox (renamed to the sandbox's by the create)
-            _until(lambda: f"/{node.cgroup_parent}/.spare-{launcher_pid}-" in Path(f"/proc/{spare}/cgroup").read_text())
+            until(lambda: f"/{node.cgroup_parent}/.spare-{launcher_pid}-" in Path(f"/proc/{spare}/cgroup").read_text())
             # and holds its sandbox's /sys, /proc and /dev (devpts, shm, mqueue) made while it waited: detached
             # mounts, moved into its root at the create
-            _until(lambda: {"sysfs", "proc", "tmpfs", "devpts", "mqueue"} <= _held_filesystems(spare))
+            until(lambda: {"sysfs", "proc", "tmpfs", "devpts", "mqueue"} <= _held_filesystems(spare))
             # the image's layer was unmounted with the first sandbox and is mounted again after the spare was
             # made: the spare's mount namespace, made at the create, has it
             with (
@@ -141,25 +141,25 @@ def test_the_launcher_makes_the_next_sandbox_init_ahead_and_it_ends_with_the_lau
                 for kind in ("net", "ipc", "uts", "mnt", "pid", "cgroup"):
                     assert len({_ns(one, kind), _ns(two, kind), _ns(launcher_pid, kind)}) == 3
                 assert f"/{node.cgroup_parent}/{first.id}" in Path(f"/proc/{one}/cgroup").read_text()
-            _until(lambda: len(_launchers(launcher_pid)) == 1)
+            until(lambda: len(_launchers(launcher_pid)) == 1)
             spares = _launchers(launcher_pid)
             os.kill(spares[0], signal.SIGKILL)  # a spare killed while it waits: another is made, creates go on
-            _until(lambda: len(_launchers(launcher_pid)) == 1 and _launchers(launcher_pid) != spares)
+            until(lambda: len(_launchers(launcher_pid)) == 1 and _launchers(launcher_pid) != spares)
             with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as after:
                 assert after.exec("echo ok").stdout == "ok\n"
-            _until(lambda: len(_launchers(launcher_pid)) == 1)
+            until(lambda: len(_launchers(launcher_pid)) == 1)
             spares = _launchers(launcher_pid)
             os.kill(launcher_pid, signal.SIGKILL)  # its spare sees its socket close and exits
-            _until(lambda: not Path(f"/proc/{spares[0]}").exists())
+            until(lambda: not Path(f"/proc/{spares[0]}").exists())
             with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as again:
                 assert again.exec("echo again").stdout == "again\n"
             launcher_pid = _launchers(node.pid)[0]
-            _until(lambda: len(_launchers(launcher_pid)) == 1)
+            until(lambda: len(_launchers(launcher_pid)) == 1)
             spares = _launchers(launcher_pid)
             assert not no_leftovers(node.home, node.cgroup_parent)
     finally:
         node.stop()
-    _until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in spares))
+    until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in spares))
     assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
 
 
@@ -309,7 +309,7 @@ def test_pause_resume_and_close_leave_nothing(tmp_path: Path) -> None:
             launchers = _launchers(node.pid)
             assert len(launchers) == 1
             os.kill(launchers[0], signal.SIGKILL)  # a lost launcher: the next create starts another
-            _until(lambda: not _launchers(node.pid))
+            until(lambda: not _launchers(node.pid))
             with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as after:
                 assert after.exec("echo again").stdout == "again\n"
             assert not no_leftovers(node.home, node.cgroup_parent)
@@ -326,7 +326,7 @@ def test_pause_resume_and_close_leave_nothing(tmp_path: Path) -> None:
             assert closed == [40]
     finally:
         node.stop()
-    _until(lambda: not Path(f"/proc/{second[0]}").exists())  # it ended with the node, and was reaped
+    until(lambda: not Path(f"/proc/{second[0]}").exists())  # it ended with the node, and was reaped
     assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
 
 
@@ -344,7 +344,7 @@ def test_sigkilled_node_leaves_shoal_sandboxes_running_and_its_successor_adopts_
             victim_pid = sandbox_pid(doomed.home, victim.id)
             launcher_pid = _launchers(doomed.pid)[0]
         doomed.stop(signal.SIGKILL)
-        _until(lambda: not Path(f"/proc/{launcher_pid}").exists())  # its socket closed: it exited
+        until(lambda: not Path(f"/proc/{launcher_pid}").exists())  # its socket closed: it exited
         found = leftovers(doomed.home, doomed.cgroup_parent)
         assert len(found["agents"]) == 3 and found["mounts"] == []  # still running, reparented, no zombie
         os.kill(victim_pid, signal.SIGKILL)  # this one dies while no node watches: its successor removes it
@@ -395,7 +395,7 @@ async def test_creates_that_fail_halfway_or_are_cancelled_leave_nothing(tmp_path
             await substrate.destroy(task.result())  # it finished before the cancel
         found = {k: v for k, v in leftovers(home, parent).items() if v}
         assert not found, found
-        _until(lambda: _zombies(_launchers(os.getpid())) == [])  # each init reaped by the launcher
+        until(lambda: _zombies(_launchers(os.getpid())) == [])  # each init reaped by the launcher
     finally:
         await substrate.close()
         for directory in cgroups.sandbox_dirs(f"/{parent}"):
@@ -446,7 +446,7 @@ def _spare_waits(node: NodeProcess) -> None:
     """Until the node's launcher has made its spare (while idle) and the spare joined its cgroup: a create then
     takes that cgroup."""
     parent = _launchers(node.pid)[0]
-    _until(lambda: any(".spare-" in Path(f"/proc/{p}/cgroup").read_text() for p in _launchers(parent)))
+    until(lambda: any(".spare-" in Path(f"/proc/{p}/cgroup").read_text() for p in _launchers(parent)))
     time.sleep(0.05)  # its answer, sent once it joined
 
 
@@ -475,10 +475,3 @@ def _zombies(parents: list[int]) -> list[int]:
         if fields[0] == "Z" and int(fields[1]) in parents:
             found.append(int(proc.name))
     return found
-
-
-def _until(condition, timeout: float = 30.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import runtime_unavailable
+from conftest import runtime_unavailable, until
 
 import shoal
 
@@ -109,9 +109,7 @@ def test_kill_processes_ends_a_fork_bomb_the_exec_left(
     with client.create(kind, image=image, pool=False, ttl_s=600, **options) as sb:
         r = sb.exec(cmd, timeout=60)
         assert r.stdout == "started\n" and not r.timed_out  # the exec returned; its bomb runs on
-        deadline = time.monotonic() + 60
-        while len(sb.processes()) < 20 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        until(lambda: len(sb.processes()) >= 20, 60, "the bomb to hold 20 processes")
         assert len(sb.processes()) >= 20
         if cmd == BOMB:  # refused past the limit: forks failed, and the bomb holds no more than it allows
             time.sleep(1)
@@ -163,9 +161,7 @@ def test_killing_the_agents_helpers_from_inside_loses_nothing(client: shoal.Clie
         sb.exec("sleep 0.5; kill -9 -1")  # all root may signal here, the reserve too (the agent is PID 1)
         assert sb.exec("echo next").stdout == "next\n"  # its connection makes the agent fork a new reserve
         assert sb.exec(BOMB, timeout=60).stdout == "started\n"
-        deadline = time.monotonic() + 60
-        while len(sb.processes()) < 20 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        until(lambda: len(sb.processes()) >= 20, 60, "the bomb to hold 20 processes")
         assert sb.kill_processes()["left"] == 0
         _until_empty(sb)
         assert sb.exec("echo answers", timeout=60).stdout == "answers\n"

@@ -10,11 +10,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
+from conftest import until
 
 import shoal
 from shoal.client import procs
@@ -28,16 +28,6 @@ with shoal.Client(home=sys.argv[1]) as client:
     print(sb.id, proc.id, proc.pid, flush=True)
     sys.stdin.read()  # until killed
 """
-
-
-def _until(predicate, timeout: float = 60.0, what: str = "condition"):  # noqa: ANN001, ANN202
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout} s")
 
 
 def _host_pids_with(marker: str) -> list[int]:
@@ -71,10 +61,10 @@ def test_a_background_process_outlives_its_client_and_is_reattached(node, client
             assert int(proc_id) in {p["exec_id"] for p in sb.processes()}
             proc = sb.process(int(proc_id))
             assert proc.running and proc.pid == int(pid)
-            assert _until(lambda: proc.read()[0], what="its first output") == b"started\n"
+            assert until(lambda: proc.read()[0], what="its first output") == b"started\n"
             assert proc.stdout_offset == len(b"started\n")
             proc.send_stdin("hello\n")
-            assert _until(lambda: proc.read()[0], what="its answer") == b"got hello\n"
+            assert until(lambda: proc.read()[0], what="its answer") == b"got hello\n"
             again = sb.process(int(proc_id))  # another handle reads from 0: the sandbox keeps the output
             assert again.read() == (b"started\ngot hello\n", b"")
             proc.send_stdin(b"last\n", eof=True)
@@ -104,12 +94,12 @@ def test_stream_signal_and_the_end_of_the_sandbox(client: shoal.Client) -> None:
         late = proc.read()[0]  # the stream stopped where this handle's offset now stands: nothing is lost
         assert (seen + late).startswith(b"tick 0\ntick 1\ntick 2\n")
         sleeper = sb.exec(f"sleep 600; : {marker}", background=True)
-        _until(lambda: len(_host_pids_with(marker)) >= 2, what="both (crun: the sandbox's are host processes)")
+        until(lambda: len(_host_pids_with(marker)) >= 2, what="both (crun: the sandbox's are host processes)")
         proc.signal(signal.SIGTERM)
         result = proc.wait(timeout=60)
         assert result.signal == signal.SIGTERM and result.exit_code == 128 + signal.SIGTERM
         assert sleeper.refresh().running
-    _until(lambda: not _host_pids_with(marker), what="the sandbox's background processes to end with it")
+    until(lambda: not _host_pids_with(marker), what="the sandbox's background processes to end with it")
 
 
 def test_pty_runs_top_and_stty_sees_resizes(client: shoal.Client) -> None:
@@ -117,16 +107,16 @@ def test_pty_runs_top_and_stty_sees_resizes(client: shoal.Client) -> None:
         term = sb.pty(100, 30, cmd=["sh"])
         assert term.pty
         term.send_stdin("stty size; tty; echo $TERM\n")
-        screen = _until(lambda: _more(term, b"xterm-256color"), what="the shell on the terminal")
+        screen = until(lambda: _more(term, b"xterm-256color"), what="the shell on the terminal")
         assert b"30 100" in screen and b"/dev/pts/" in screen
         term.resize(132, 40)
         term.send_stdin("stty size\n")
-        assert b"40 132" in _until(lambda: _more(term, b"40 132"), what="the new size")
+        assert b"40 132" in until(lambda: _more(term, b"40 132"), what="the new size")
         # batch once, then full-screen for a few rounds (it ends by itself: no key races its terminal setup)
         term.send_stdin("top -b -n 1 | head -3; top -d 0.5 -n 6; echo top-$((6*7))-quit\n")
-        _until(lambda: _more(term, b"\x1b[", since=b"load average"), what="top drawing the screen")
+        until(lambda: _more(term, b"\x1b[", since=b"load average"), what="top drawing the screen")
         term.resize(90, 20)  # top redraws for the new size
-        _until(lambda: _more(term, b"top-42-quit\r\n"), what="top to end")  # not the echo of the typed line
+        until(lambda: _more(term, b"top-42-quit\r\n"), what="top to end")  # not the echo of the typed line
         term.send_stdin("exit 3\n")
         assert term.wait(timeout=60).exit_code == 3
 
@@ -135,13 +125,13 @@ def test_pty_edits_a_file_with_vi(client: shoal.Client) -> None:
     """busybox's vi: a full-screen editor that reads keys one at a time from the terminal."""
     with client.create(image="busybox", pool=False, ttl_s=300) as sb:
         term = sb.pty(80, 24, cmd=["vi", "/tmp/note.txt"])
-        _until(lambda: _more(term, b"/tmp/note.txt"), what="vi's status line")
+        until(lambda: _more(term, b"/tmp/note.txt"), what="vi's status line")
         term.resize(120, 40)
         term.send_stdin("ihello from vi")
-        _until(lambda: _more(term, b"hello from vi"), what="the typed text on the screen")
+        until(lambda: _more(term, b"hello from vi"), what="the typed text on the screen")
         mark = len(_SCREENS[(sb.id, term.id)])
         term.send_stdin("\x1b")  # alone: vi takes keys right after ESC as part of an escape sequence
-        _until(lambda: b"\x1b[K- " in (_more(term, b"") or b"")[mark:], what="vi's command mode")
+        until(lambda: b"\x1b[K- " in (_more(term, b"") or b"")[mark:], what="vi's command mode")
         term.send_stdin(":wq\r")
         assert term.wait(timeout=60).exit_code == 0
         assert sb.files.read("/tmp/note.txt") == b"hello from vi\n"
@@ -215,14 +205,14 @@ def test_background_and_pty_on_other_kinds(client: shoal.Client, kind: str) -> N
                        **options) as sb:  # fmt: skip
         proc = sb.exec('while read line; do echo "got $line"; done', background=True)
         proc.send_stdin("one\n")
-        assert _until(lambda: proc.read()[0], what="the background answer") == b"got one\n"
+        assert until(lambda: proc.read()[0], what="the background answer") == b"got one\n"
         assert sb.process(proc.id).read()[0] == b"got one\n"
         term = sb.pty(100, 30, cmd=["sh"])
         term.send_stdin("stty size\n")
-        _until(lambda: _more(term, b"30 100"), what="the terminal's size")
+        until(lambda: _more(term, b"30 100"), what="the terminal's size")
         term.resize(132, 40)
         term.send_stdin("stty size\n")
-        _until(lambda: _more(term, b"40 132"), what="the new size")
+        until(lambda: _more(term, b"40 132"), what="the new size")
         proc.kill()
         assert proc.wait(timeout=60).signal == signal.SIGKILL
 

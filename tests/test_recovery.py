@@ -11,23 +11,18 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import NodeProcess, leftovers, no_leftovers, sandbox_pid, sandbox_roots
+from conftest import NodeProcess, leftovers, no_leftovers, sandbox_pid, sandbox_roots, until
 from test_network import EchoHost, reach
 
 import shoal
 
 
-def _until_dead(pid: int, timeout: float = 10.0) -> None:
-    """Until `pid` is gone or a zombie (its cmdline reads empty)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if not Path(f"/proc/{pid}/cmdline").read_bytes():
-                return
-        except OSError:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"pid {pid} still runs {timeout} s after SIGKILL")
+def _dead(pid: int) -> bool:
+    """`pid` is gone or a zombie (its cmdline reads empty)."""
+    try:
+        return not Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
 
 
 def test_sigkilled_node_under_load_is_recovered(tmp_path: Path) -> None:
@@ -65,7 +60,7 @@ def test_sigkilled_node_under_load_is_recovered(tmp_path: Path) -> None:
             for t in threads:
                 t.join()
         os.kill(victim_pid, signal.SIGKILL)  # this sandbox dies while no node watches it
-        _until_dead(victim_pid)  # a loaded host can run it a while after the signal was sent
+        until(lambda: _dead(victim_pid), 10, "the victim to die")  # a loaded host runs it a while after the signal
         found = leftovers(doomed.home, doomed.cgroup_parent)
         assert len(found["agents"]) == 5 and found["mounts"] == []  # overlays: in each sandbox's namespace only
         assert len(sandbox_roots(doomed.home, doomed.cgroup_parent)) == 5
