@@ -154,6 +154,41 @@ def test_every_kind_of_entry_a_call_makes_is_gone_for_the_next(client: shoal.Cli
         assert client.call(MAKE_ENTRIES) == made
 
 
+# a call changes what it may of /work, which the calls' user owns: mode (none at all, set-group-id), a user
+# attribute, a default ACL (POSIX ACL xattr: version 2; user, group and other entries, rwx), its times
+CHANGE_WORK = """
+import os, struct
+acl = struct.pack('<I', 2) + b''.join(struct.pack('<HHI', tag, 7, 0xFFFFFFFF) for tag in (0x01, 0x04, 0x20))
+for name, value in (('user.shoal', b'left'), ('system.posix_acl_default', acl)):
+    try:
+        os.setxattr('/work', name, value)
+    except OSError:  # a file system without them: the rest is still checked
+        pass
+os.utime('/work', (12345, 67890))
+os.chmod('/work', 0o2000)
+st = os.stat('/work')
+[oct(st.st_mode & 0o7777), sorted(os.listxattr('/work')), st.st_mtime]
+"""
+WORK_AS_IS = (
+    "import os\nst = os.stat('/work')\n"
+    "[oct(st.st_mode & 0o7777), st.st_uid, os.getcwd(), os.listxattr('/work'), st.st_mtime == 67890]"
+)
+
+
+def test_what_a_call_sets_on_work_is_gone_for_the_next(client: shoal.Client) -> None:
+    """/work belongs to the calls' user, so a call may chmod it, set its set-group-id bit, a default ACL (which
+    what later calls create there would inherit), user attributes or its times. None of it outlives the call: a
+    chmod 0 of /work made every later call on that worker fail to start ('could not set up the call', exit 125)."""
+    before = client.call(WORK_AS_IS)
+    assert before[0] == "0o755" and before[2] == "/work" and before[3:] == [[], False], before
+    for _ in range(3):
+        mode, names, mtime = client.call(CHANGE_WORK)
+        assert (mode, mtime) == ("0o2000", 67890), (mode, mtime)  # the call did change them
+        assert set(names) <= {"user.shoal", "system.posix_acl_default"}, names
+        for _ in range(2):
+            assert client.call(WORK_AS_IS) == before
+
+
 def test_sysv_ipc_does_not_persist(client: shoal.Client) -> None:
     make = (
         "import ctypes\nlibc = ctypes.CDLL(None)\n"

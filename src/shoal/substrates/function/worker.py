@@ -161,35 +161,83 @@ def tmpfs_roots() -> frozenset[str]:
     return frozenset(found)
 
 
-def wipe(empty: dict[str, int] | None = None) -> None:
-    """Remove everything a call wrote (every writable root is emptied).
+def wipe(empty: dict[str, int] | None = None, pristine: dict[str, tuple] | None = None) -> None:
+    """Remove everything a call wrote (every writable root is emptied, and put back as it was).
 
     `empty`: for roots that are tmpfs mount points, a directory's size when it has no entries. tmpfs counts
     every entry in its directory's size (BOGO_DIRENT_SIZE each, whatever makes it: create, mkdir, link,
     symlink, rename, whiteout), so a root still at that size holds nothing, and one stat replaces opening,
     listing and closing it; a root at any other size is listed and emptied as before. Filled in here the
-    first time a root is seen empty."""
+    first time a root is seen empty.
+
+    `pristine`: each root's mode, uid, gid, whether the calls own it, and its access and modification times
+    before any call (`Worker.pristine`): what a call changed of them is put back (`restore_root`)."""
     for root in WRITABLE:
-        if empty is not None and root in empty:
-            try:
-                if os.stat(root).st_size == empty[root]:
-                    continue
-            except FileNotFoundError:
-                continue
         try:
-            entries = list(os.scandir(root))
+            status = os.stat(root)
         except FileNotFoundError:
             continue
-        if not entries and empty is not None and root in TMPFS:
-            empty[root] = os.stat(root).st_size
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                rmtree(entry.path)
-            else:
-                try:
-                    os.unlink(entry.path)
-                except FileNotFoundError:
-                    pass
+        listed = False
+        if empty is None or empty.get(root) != status.st_size:
+            try:
+                entries = list(os.scandir(root))
+            except FileNotFoundError:
+                continue
+            listed = True
+            if not entries and empty is not None and root in TMPFS:
+                empty[root] = status.st_size
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    rmtree(entry.path)
+                else:
+                    try:
+                        os.unlink(entry.path)
+                    except FileNotFoundError:
+                        pass
+        was = pristine.get(root) if pristine is not None else None
+        if was is not None:  # compared here without making objects: this runs after every call
+            mode, uid, gid, owned, atime, mtime = was
+            if (
+                listed
+                or owned
+                or status.st_mode != mode
+                or status.st_uid != uid
+                or status.st_gid != gid
+                or status.st_atime_ns != atime
+                or status.st_mtime_ns != mtime
+            ):
+                restore_root(root, status, listed, *was)
+
+
+# what the owner of a directory may set on it without privileges: user attributes and POSIX ACLs
+_OWNER_XATTRS = ("user.", "system.posix_acl_")
+
+
+def restore_root(
+    root: str, status: os.stat_result, listed: bool, mode: int, uid: int, gid: int, owned: bool, atime: int, mtime: int
+) -> None:
+    """Put a writable root's mode, owner, attributes and times back as they were before any call (`status`: its
+    stat before the clean-up; `listed`: the clean-up listed it, so its times changed since). /work belongs to
+    the calls' user, so a call may chmod it (to 0: every later call on the worker failed to chdir there), set
+    its set-group-id bit, a default ACL (inherited by what later calls create there), user attributes or its
+    times: all outlived the call. Roots the calls do not own (root's, sticky) have no attributes of theirs
+    to remove. Per call: the stat `wipe` makes anyway and, for /work, one listxattr; more only to undo."""
+    changed = False
+    if owned:
+        try:
+            for name in os.listxattr(root, follow_symlinks=False):
+                if name.startswith(_OWNER_XATTRS):
+                    os.removexattr(root, name, follow_symlinks=False)
+                    changed = True
+        except OSError:  # no attributes on this file system
+            pass
+    if (status.st_uid, status.st_gid) != (uid, gid):
+        os.chown(root, uid, gid)
+        changed = True
+    if changed or status.st_mode != mode:
+        os.chmod(root, mode & 0o7777)
+    if listed or status.st_atime_ns != atime or status.st_mtime_ns != mtime:
+        os.utime(root, ns=(atime, mtime))
 
 
 def rmtree(path: str) -> None:
@@ -437,6 +485,20 @@ class Worker:
         self.devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         self.sysv = open_sysv()
         self.empty: dict[str, int] = {}  # tmpfs roots' size when empty (see wipe)
+        self.pristine = {}  # each writable root as prepare_dirs left it: mode, owner, owned by calls, times (wipe)
+        for root in WRITABLE:
+            try:
+                status = os.stat(root)
+                self.pristine[root] = (
+                    status.st_mode,
+                    status.st_uid,
+                    status.st_gid,
+                    status.st_uid == uid,
+                    status.st_atime_ns,
+                    status.st_mtime_ns,
+                )
+            except OSError:
+                pass
         self.environ: dict = dict(os.environ)  # what os.environ holds now
         self.fork = os.fork  # main() sets call_fork(...) once the modules are imported
 
@@ -755,7 +817,7 @@ class Worker:
     def clean(self) -> None:
         """Nothing a call started, wrote or made survives it: processes, writable dirs, SysV IPC."""
         kill_stragglers(self)
-        wipe(self.empty)
+        wipe(self.empty, self.pristine)
         remove_sysv_ipc(self.uid, self.gid, self.sysv)
 
 
