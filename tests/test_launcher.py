@@ -21,6 +21,7 @@ from conftest import NodeProcess, leftovers, no_leftovers, runtime_unavailable, 
 import shoal
 from shoal import cgroups
 from shoal.errors import InvalidRequestError, SandboxLostError
+from shoal.guest import agent_binary_path
 from shoal.images import Image
 from shoal.images.store import ImageConfig
 from shoal.protocol import SandboxSpec
@@ -125,7 +126,8 @@ def test_the_launcher_makes_the_next_sandbox_init_ahead_and_it_ends_with_the_lau
             ):
                 assert sandbox_pid(node.home, first.id) == spare
                 assert first.exec("head -c 13 /proc/1/cmdline; echo; hostname").stdout == "/.shoal/agent\nsandbox\n"
-                # its /sys was mounted while it waited, in its own network namespace, as crun mounts it
+                # its /sys was made while it waited (a clone of the launcher's template: a sysfs of a network
+                # namespace with only lo, as its own), with crun's flags
                 sysfs = "grep ' /sys ro' /proc/self/mountinfo | cut -d' ' -f5-; ls /sys/class/net"
                 assert first.exec(sysfs).stdout == "/sys ro,nosuid,nodev,noexec,relatime - sysfs sysfs rw\nlo\n"
                 # its masked directories are one read-only bind of the node's empty directory: no superblock
@@ -161,6 +163,51 @@ def test_the_launcher_makes_the_next_sandbox_init_ahead_and_it_ends_with_the_lau
         node.stop()
     until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in spares))
     assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
+def test_sandboxes_share_one_read_only_sysfs_of_a_namespace_with_only_lo(
+    node: NodeProcess, client: shoal.Client, tmp_path: Path
+) -> None:
+    """Issue 12: a sandbox's /sys is a clone of one sysfs the launcher mounted in a network namespace of its own
+    with only its loopback (launcher.c, template_sysfs): no sysfs superblock per sandbox, whose mount walked
+    every other one. It shows what the sandbox's own would (lo, up), read-only, masked, not the host's."""
+    view = (
+        "awk '$5 == \"/sys\" {print $3, $6}' /proc/self/mountinfo; ls /sys/class/net; cat /sys/class/net/lo/operstate; "
+        "ls -A /sys/firmware; for f in /sys/class/net/lo/mtu /sys/kernel/mm/transparent_hugepage/enabled /sys/x; "
+        "do echo 1 2>/dev/null >$f && echo wrote $f; done; mount -o remount,rw /sys 2>/dev/null && echo remounted; "
+        "grep -c ' /sys' /proc/self/mountinfo"
+    )
+    host_sys_mounts = Path("/proc/self/mountinfo").read_text().count(" /sys ")
+    with (
+        client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as one,
+        client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as two,
+    ):
+        seen = one.exec(view).stdout
+        assert seen == two.exec(view).stdout  # one superblock: the same device number
+        device, options, *rest = seen.split()
+        host = os.stat("/sys").st_dev
+        assert device != f"{os.major(host)}:{os.minor(host)}"  # not the host's sysfs
+        assert options == "ro,nosuid,nodev,noexec,relatime"
+        # only lo (up: "unknown"), /sys/firmware masked, nothing written, no remount; /sys and its masks (the
+        # same mounts as crun's: test_a_shoal_sandbox_gets_what_crun_gives)
+        assert rest[:2] == ["lo", "unknown"] and int(rest[2]) > 1, seen
+        # a network policy's veth shows only in a sysfs of the sandbox's own namespace: it gets one first
+        # (launcher.c, own_sysfs; here from a launcher of the test's), with the same flags, masks and view
+        asyncio.run(_own_sysfs(tmp_path, sandbox_pid(node.home, one.id)))
+        mine = one.exec(view).stdout.split()
+        assert mine[0] not in (device, f"{os.major(host)}:{os.minor(host)}") and mine[1:] == [options, *rest], mine
+        assert two.exec(view).stdout == seen  # the other keeps the clone
+        with pytest.raises(SandboxLostError, match="own sysfs"):  # never the host's namespaces
+            asyncio.run(_own_sysfs(tmp_path, os.getpid()))
+    assert Path("/proc/self/mountinfo").read_text().count(" /sys ") == host_sys_mounts
+
+
+async def _own_sysfs(tmp_path: Path, pid: int) -> None:
+    own = launcher.Launcher(str(agent_binary_path()), tmp_path / "launcher.log", f"shoal-test-sysfs-{os.getpid()}")
+    try:
+        await own.own_sysfs(pid)
+    finally:
+        await own.close()
 
 
 def _ns(pid: int, kind: str) -> str:
@@ -356,6 +403,8 @@ def test_sigkilled_node_leaves_shoal_sandboxes_running_and_its_successor_adopts_
                 again = client.get(sb.id)
                 assert again.files.read_text("/kept") == f"file {i}"  # the paused one: resumed transparently
                 assert "sleep 1000" in again.exec("ps").stdout
+                # the template its /sys cloned (launcher.c) ended with its launcher: it got a sysfs of its own
+                assert again.exec("ls /sys/class/net").stdout == "lo\n"
             assert client.close_all() == 2
         assert not no_leftovers(restarted.home, restarted.cgroup_parent)
     finally:

@@ -581,6 +581,7 @@ class NodeService:
             )
         substrate = self.substrates[sandbox.spec.kind]
         bridged = substrate.capabilities.guest_nic
+        await substrate.network_joining(sandbox.instance)
         attachment = await self.network.apply(sandbox.id, pid, sandbox.instance.directory, policy, bridged=bridged)
         if attachment is not None and not sandbox.resolv_written:
             argv = substrate.guest_network_argv(attachment.address, attachment.gateway) if bridged else None

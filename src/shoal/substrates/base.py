@@ -107,6 +107,10 @@ class Substrate(ABC):
         be. None: the kind keeps nothing in the node process, so the node checks the agent's pid and cgroup."""
         return None
 
+    async def network_joining(self, instance: Instance) -> None:
+        """Before a network policy's veth goes into the network namespace of `instance.pid` (no-op by default)."""
+        return None
+
     def guest_network_argv(self, address: str, gateway: str) -> list[str] | None:
         """(`capabilities.guest_nic`) A command the guest runs to give its NIC `address`/30 via `gateway`."""
         return None

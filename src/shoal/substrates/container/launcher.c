@@ -319,6 +319,38 @@ static int readonly_early_path(int i) {
     return mount_early(fd, root, rel) < 0 ? -1 : 1;
 }
 
+/* The sysfs of a network namespace the launcher made with only its loopback (up), with oci.py's masks and
+ * read-only paths under /sys on it (template_sysfs, made at init: make_template), cloned for each sandbox
+ * instead of a sysfs mount of its own. Why (issue 12): a sysfs superblock is keyed to a network namespace, and
+ * a new mount walks every sysfs superblock on the host to find out that it needs a new one (kernfs_test_super:
+ * one per live sandbox, ~11 % of the machine at 3,000 live); a clone of a mount walks nothing, and the sandboxes
+ * share one superblock instead of holding one each. What a sandbox sees is the same: sysfs shows only the
+ * network devices of the namespace it was mounted in, and a sandbox's namespace has only its loopback (network
+ * policies move a veth in: the node gives that sandbox a sysfs of its own first, own_sysfs), read-only,
+ * nosuid, nodev, noexec, with the same masks. Its lo's counters are the template's (no traffic), not the
+ * sandbox's. The template's network namespace is held by the launcher (template_net: a sysfs superblock holds
+ * only a passive reference, which keeps no device) and ends with it; a restarted node gives the sandboxes it
+ * re-adopts a sysfs of their own (see own_sysfs). */
+static int template_sysfs = -1, template_net = -1;
+static char masked_template[MAX_LIST], readonly_template[MAX_LIST]; /* conf.mask[i] / conf.ro[i] on it */
+static int sysfs_cloned; /* this spare's (or child's) ahead_sysfs is a clone of template_sysfs */
+
+/* The sandbox's /sys, made ahead: a clone of the template with its masks (see there), else a sysfs mount of
+ * the caller's network namespace; -1 (errno set) */
+static int sysfs_ahead(void) {
+    if (template_sysfs >= 0) { /* in a spare or a child: one clone, the template's fds closed after it */
+        int fd = open_tree(template_sysfs, "", OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE | AT_EMPTY_PATH);
+        close(template_sysfs);
+        close(template_net);
+        template_sysfs = template_net = -1;
+        if (fd >= 0) {
+            sysfs_cloned = 1;
+            return fd;
+        }
+    }
+    return make_sysfs_ahead();
+}
+
 static const char *prepare(void) {
     const unsigned hidden = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC | MOUNT_ATTR_NODEV;
     if (setsid() < 0) return "setsid";
@@ -346,11 +378,12 @@ static const char *prepare(void) {
         return "devpts";
     if ((early.shm = detached_fs("tmpfs", "shm", SHM_OPTS, hidden)) < 0) return "shm";
     if ((early.mqueue = detached_fs("mqueue", "mqueue", NULL, hidden)) < 0) return "mqueue";
-    if (ahead_sysfs < 0) ahead_sysfs = make_sysfs_ahead(); /* else mounted at the create, its masks there */
+    if (ahead_sysfs < 0) ahead_sysfs = sysfs_ahead(); /* else mounted at the create, its masks there */
     /* masks first, as at the create; one that fails here (a kernel that mounts on no detached tree) is made
-     * at the create, where a failure is reported */
-    for (int i = 0; i < conf.nmask; i++) masked_early[i] = mask_early(i) > 0;
-    for (int i = 0; i < conf.nro; i++) readonly_early[i] = readonly_early_path(i) > 0;
+     * at the create, where a failure is reported; a clone of the template has the template's */
+    for (int i = 0; i < conf.nmask; i++) masked_early[i] = (sysfs_cloned && masked_template[i]) || mask_early(i) > 0;
+    for (int i = 0; i < conf.nro; i++)
+        readonly_early[i] = (sysfs_cloned && readonly_template[i]) || readonly_early_path(i) > 0;
     if (sethostname(HOSTNAME, strlen(HOSTNAME)) < 0) return "sethostname";
     struct rlimit rl = {conf.nofile, conf.nofile};
     if (setrlimit(RLIMIT_NOFILE, &rl) < 0) return "setrlimit NOFILE";
@@ -898,11 +931,110 @@ static int make_sysfs_ahead(void) {
     return detached_fs("sysfs", "sysfs", NULL, attrs);
 }
 
+/* The template (see template_sysfs), made once the launcher has its settings: in a network namespace of its
+ * own with its loopback up, then back in the launcher's; left at -1 (each sandbox mounts its own) if any step
+ * fails */
+static void make_template(void) {
+    int here = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC), fd = -1;
+    if (here < 0) return;
+    if (unshare(CLONE_NEWNET) == 0) {
+        if (!loopback_up() && (template_net = open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC)) >= 0)
+            fd = make_sysfs_ahead();
+        if (setns(here, CLONE_NEWNET) < 0) { /* the launcher never stays in it */
+            perror("shoal-launcher: setns back from the template's network namespace");
+            exit(1);
+        }
+    }
+    close(here);
+    if (fd < 0) {
+        if (template_net >= 0) close(template_net);
+        template_net = -1;
+        return;
+    }
+    /* its masks and read-only paths as a spare's prepare makes them (mask_early, readonly_early_path on
+     * ahead_sysfs); one not made here (a file to mask: no /dev/null of a sandbox's here) is left to each
+     * sandbox's */
+    struct mount_attr ro = {.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_RELATIME, .attr_clr = MOUNT_ATTR__ATIME};
+    if (conf.empty[0] && (early.empty = detached_bind(conf.empty, &ro)) < 0) {
+        close(fd);
+        close(template_net);
+        template_net = -1;
+        return;
+    }
+    ahead_sysfs = fd;
+    for (int i = 0; i < conf.nmask; i++) masked_template[i] = !strncmp(conf.mask[i], "/sys/", 5) && mask_early(i) > 0;
+    for (int i = 0; i < conf.nro; i++)
+        readonly_template[i] = !strncmp(conf.ro[i], "/sys/", 5) && readonly_early_path(i) > 0;
+    ahead_sysfs = -1;
+    if (early.empty >= 0) close(early.empty);
+    early.empty = -1;
+    template_sysfs = fd;
+}
+
+/* A sandbox's own sysfs (of its network namespace) in place of its /sys, a clone of the template: before a
+ * network policy moves a veth into its namespace (else its /sys/class/net would not show it), and for one a
+ * restarted node re-adopts (the template it cloned ended with its launcher). Made by a child that joins the
+ * sandbox's network and mount namespaces, as a create makes it: sysfs read-only, nosuid, nodev, noexec, then
+ * oci.py's masks and read-only paths under /sys (mask_path, readonly_path). Answered once done */
+static void own_sysfs(const char *id, const char *pid_text) {
+    pid_t pid = atoi(pid_text), child;
+    int status[2];
+    if (pid <= 0 || pipe2(status, O_CLOEXEC) < 0) {
+        reply("%s err no sandbox pid %s, or no pipe", id, pid_text);
+        return;
+    }
+    if ((child = fork()) == 0) {
+        char path[64];
+        close(status[0]);
+        status_fd = status[1];
+        snprintf(path, sizeof path, "/proc/%d/ns/net", (int)pid);
+        int net = open(path, O_RDONLY | O_CLOEXEC);
+        snprintf(path, sizeof path, "/proc/%d/ns/mnt", (int)pid);
+        int mnt = open(path, O_RDONLY | O_CLOEXEC);
+        if (net < 0 || mnt < 0) fail("namespaces of", pid_text);
+        struct stat theirs, ours;
+        if (fstat(mnt, &theirs) < 0 || stat("/proc/self/ns/mnt", &ours) < 0 || theirs.st_ino == ours.st_ino ||
+            fstat(net, &theirs) < 0 || stat("/proc/self/ns/net", &ours) < 0 || theirs.st_ino == ours.st_ino) {
+            errno = EPERM; /* not a sandbox's: never the host's /sys */
+            fail("namespaces of", pid_text);
+        }
+        if (setns(net, CLONE_NEWNET) < 0) fail("join the network namespace of", pid_text);
+        int fd = make_sysfs_ahead();
+        if (fd < 0) fail("sysfs", NULL);
+        struct mount_attr ro = {.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_RELATIME, .attr_clr = MOUNT_ATTR__ATIME};
+        if (conf.empty[0] && (empty_fd = detached_bind(conf.empty, &ro)) < 0) fail("bind", conf.empty);
+        if (setns(mnt, CLONE_NEWNS) < 0) fail("join the mount namespace of", pid_text);
+        if (chdir("/") < 0) fail("chdir", "/");
+        if (umount2("/sys", MNT_DETACH | UMOUNT_NOFOLLOW) < 0 && errno != EINVAL) fail("umount", "/sys");
+        if (move_mount(fd, "", AT_FDCWD, "/sys", MOVE_MOUNT_F_EMPTY_PATH) < 0) fail("move_mount", "/sys");
+        for (int i = 0; i < conf.nmask; i++)
+            if (!strncmp(conf.mask[i], "/sys/", 5)) mask_path("", conf.mask[i]);
+        for (int i = 0; i < conf.nro; i++)
+            if (!strncmp(conf.ro[i], "/sys/", 5)) readonly_path("", conf.ro[i]);
+        _exit(0);
+    }
+    close(status[1]);
+    char buf[700];
+    ssize_t n = -1;
+    if (child > 0)
+        while ((n = read(status[0], buf, sizeof buf - 1)) < 0 && errno == EINTR) {
+        }
+    close(status[0]);
+    int st = 0;
+    if (child > 0)
+        while (waitpid(child, &st, 0) < 0 && errno == EINTR) {
+        }
+    if (child < 0) reply("%s err fork: %s", id, strerror(errno));
+    else if (n > 0) reply("%s err %.*s", id, (int)n, buf);
+    else if (!WIFEXITED(st) || WEXITSTATUS(st)) reply("%s err its sysfs could not be made (status %d)", id, st);
+    else reply("%s ok 0", id);
+}
+
 static void spare_wait(int sock) {
     static char msg[MSG_MAX];
     char joined = spare_cgroup(); /* first: what follows is charged to the sandbox's cgroup */
     if (send(sock, &joined, 1, MSG_NOSIGNAL) != 1) _exit(0); /* from now on a create may take it */
-    ahead_sysfs = make_sysfs_ahead();
+    ahead_sysfs = sysfs_ahead();
     ahead_lo = loopback_up() == NULL; /* else tried again at the create, where a failure is reported */
     prepare_now();                     /* a failure is reported at the create */
     char control[CMSG_SPACE(3 * sizeof(int))];
@@ -1320,12 +1452,20 @@ static void handle(char *msg, size_t len, int fd) {
     int n = split(msg, len, fields);
     if (n == 0) goto out;
     if (!strcmp(fields[0], "op=init")) {
-        if (init(fields + 1, n - 1) < 0) reply("init err incomplete or malformed init message");
-        else reply("init ok 0");
+        if (init(fields + 1, n - 1) < 0) {
+            reply("init err incomplete or malformed init message");
+        } else {
+            if (template_sysfs < 0) make_template();
+            reply("init ok 0");
+        }
         goto out;
     }
     if (!strcmp(fields[0], "op=destroy") && n == 3 && !strncmp(fields[1], "id=", 3) && !strncmp(fields[2], "pid=", 4)) {
         destroy(fields[1] + 3, fields[2] + 4);
+        goto out;
+    }
+    if (!strcmp(fields[0], "op=sysfs") && n == 3 && !strncmp(fields[1], "id=", 3) && !strncmp(fields[2], "pid=", 4)) {
+        own_sysfs(fields[1] + 3, fields[2] + 4);
         goto out;
     }
     struct request r;

@@ -22,7 +22,9 @@ create). At thousands of live sandboxes the kernel's per-create work grows with 
 superblock lookup, pivot_root's walk of every task, the cpu bandwidth check, a memory cgroup's removal
 walking every superblock's LRU lists): the launcher reaps by pid, writes the cfs period only if it differs
 from the kernel's default, binds one empty directory of the node's read-only onto a sandbox's masked
-directories (no superblock of their own), lets sandboxes share their parent's cpuset, and keeps a destroyed
+directories (no superblock of their own), gives a sandbox a clone of one sysfs of a network namespace with
+only its loopback (the launcher's template; a sandbox given a network policy, or re-adopted by a restarted
+node, gets a sysfs of its own: own_sysfs), lets sandboxes share their parent's cpuset, and keeps a destroyed
 sandbox's cgroup (emptied, renamed to a spare's, at most SHOAL_KEPT_CGROUPS) for a later spare, which resets
 it (memory peak, fail count and CPU usage zeroed, what is still charged reclaimed above 16 MiB, limits
 written) instead of making one: no memory cgroup is taken offline per close. One where the OOM killer fired
@@ -209,6 +211,19 @@ class Launcher:
             log.warning("the shoal launcher could not remove a cgroup: %s", rest)
         return status in ("ok", "err")
 
+    async def own_sysfs(self, pid: int) -> None:
+        """Give sandbox init `pid` a sysfs of its own network namespace in place of its /sys (a clone of the
+        launcher's template, which shows the template's loopback: launcher.c, own_sysfs), with the same masks;
+        before a network policy moves a veth into its namespace, and when a restarted node re-adopts it."""
+        await self._ensure_started()
+        answer = await self._send("sysfs", [("pid", str(pid))])
+        try:
+            status, rest = await asyncio.wait_for(asyncio.shield(answer), CREATE_TIMEOUT_S)
+        except TimeoutError:
+            raise SandboxLostError(f"the shoal launcher did not answer within {CREATE_TIMEOUT_S:.0f} s") from None
+        if status != "ok":
+            raise SandboxLostError(f"the shoal launcher could not give sandbox init {pid} its own sysfs: {rest}")
+
     async def _ensure_started(self) -> None:
         if self._sock is not None:
             return
@@ -245,7 +260,7 @@ class Launcher:
         if sock is None:
             raise SandboxLostError("the shoal launcher is not running")
         ident = "init" if op == "init" else str(next(self._ids))
-        payload = _message(op, [("id", ident), *fields])  # a destroy: exactly id=, pid= (launcher.c reads them so)
+        payload = _message(op, [("id", ident), *fields])  # destroy, sysfs: exactly id=, pid= (launcher.c reads so)
         answer: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
         self._waiters[ident] = answer
         try:

@@ -223,6 +223,24 @@ class ContainerSubstrate(Substrate):
         written before anything is made is enough to find and remove it."""
         return self.state_root / "bundles" / sandbox_id
 
+    async def network_joining(self, instance: Instance) -> None:
+        """A shoal-launcher sandbox's /sys shows the loopback of the launcher's template namespace (launcher.c,
+        template_sysfs): it gets a sysfs of its own network namespace first, where the veth will show."""
+        if instance.runtime == launcher.NAME and instance.pid is not None:
+            await self._launcher.own_sysfs(instance.pid)
+
+    async def readopt(self, instance: Instance) -> bool | None:
+        """None (the node checks the agent's pid and cgroup); a shoal-launcher sandbox whose agent still runs in
+        its cgroup gets a sysfs of its own first: the template its /sys cloned ended with the launcher that made
+        it, and its loopback with it (launcher.c, own_sysfs)."""
+        pid = instance.pid
+        if instance.runtime == launcher.NAME and pid is not None and pid in cgroups.procs(instance.cgroup_path):
+            try:
+                await self._launcher.own_sysfs(pid)
+            except Exception as exc:  # its /sys/class/net shows no device; the rest of it works
+                log.warning("re-adopted sandbox %s keeps its sysfs: %s", instance.id, exc)
+        return None
+
     async def destroy(self, instance: Instance) -> None:
         runtime = self.runtime(instance.runtime or "crun")
         pid = instance.pid
