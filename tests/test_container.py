@@ -216,6 +216,18 @@ def test_idle_timeout(tiny: shoal.Sandbox) -> None:
     assert r.timed_out and r.stdout == "1\n2\n3\n" and r.duration_s < 25  # idle 1 s, not the 30 s timeout
 
 
+def test_exec_deadlines_of_one_sandbox_share_a_timer(tiny: shoal.Sandbox) -> None:
+    """A sandbox's execs share one deadline timer (guest/client._Deadlines), left armed when an exec ends: a
+    deadline earlier than the armed one arms it again, and one later than it is kept when the timer fires for
+    an exec that already ended."""
+    assert not tiny.exec("true", timeout=120).timed_out  # the timer stays armed 120 s ahead
+    earlier = tiny.exec("sleep 100", timeout=1)
+    assert earlier.timed_out and earlier.duration_s < 60  # its own 1 s, not the 120 s armed before it
+    assert not tiny.exec("true", timeout=1).timed_out  # armed 1 s ahead again
+    later = tiny.exec("sleep 100", timeout=4)  # the timer fires for the exec above first
+    assert later.timed_out and 3.9 <= later.duration_s < 60
+
+
 def test_background_job_survives_exec(tiny: shoal.Sandbox) -> None:
     start = time.monotonic()
     assert tiny.exec("sleep 303 & echo started").stdout == "started\n"

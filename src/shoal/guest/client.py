@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno as _errno
+import math
 import os
 import socket
 import struct
@@ -564,13 +565,16 @@ class ExecRun:
         if self.exit is not None or self.error is not None or self.chunks:
             return
         self._waiter = waiter = self._loop.create_future()
-        timer = None if limit is None else self._loop.call_at(limit, _set_none, waiter)  # loop time: monotonic
+        deadlines = None
+        if limit is not None:  # loop time: monotonic
+            deadlines = self._keeper._deadlines_of(self._loop) if self._keeper is not None else _Deadlines(self._loop)
+            deadlines.add(waiter, limit)
         try:
             await waiter
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+            if deadlines is not None:
+                deadlines.discard(waiter)
         while self._redial and not self._closed:
             await self._send_again()
 
@@ -610,6 +614,47 @@ class ExecRun:
 def _set_none(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+class _Deadlines:
+    """The deadlines of the ExecRun.wait calls of one AgentClient (a sandbox's execs), behind one timer of the
+    loop. A wait adds its waiter with its deadline and discards it when it returns; the timer is armed again
+    only for a deadline earlier than the one it is armed for, so a sandbox's execs one after another (each
+    with the client's default timeout, each ending long before it) share one timer instead of making and
+    cancelling one each (a TimerHandle, a heap push and a cancelled entry the loop pops later, per exec:
+    issue 12). The timer can fire for waits that are gone: it wakes those due, then arms for the earliest
+    left, if any."""
+
+    __slots__ = ("loop", "waits", "timer", "at")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.waits: dict[asyncio.Future, float] = {}
+        self.timer: asyncio.TimerHandle | None = None
+        self.at = math.inf  # when the timer fires (inf: no timer)
+
+    def add(self, waiter: asyncio.Future, when: float) -> None:
+        self.waits[waiter] = when
+        if when < self.at:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.at, self.timer = when, self.loop.call_at(when, self._fire)
+
+    def discard(self, waiter: asyncio.Future) -> None:
+        self.waits.pop(waiter, None)
+
+    def _fire(self) -> None:
+        self.at, self.timer = math.inf, None
+        now = self.loop.time()
+        earliest = math.inf
+        for waiter, when in list(self.waits.items()):
+            if when <= now:
+                del self.waits[waiter]
+                _set_none(waiter)
+            elif when < earliest:
+                earliest = when
+        if earliest < math.inf:  # later than now: fires on a later pass
+            self.at, self.timer = earliest, self.loop.call_at(earliest, self._fire)
 
 
 def _exec_payload(
@@ -780,6 +825,13 @@ class AgentClient:
         self._kept: list[tuple[socket.socket, asyncio.AbstractEventLoop, _Watch]] = []  # watched in that loop
         self._spare: socket.socket | None = None
         self._closed = False
+        self._deadlines: _Deadlines | None = None  # of this client's exec waits (ExecRun.wait), in one loop
+
+    def _deadlines_of(self, loop: asyncio.AbstractEventLoop) -> _Deadlines:
+        deadlines = self._deadlines
+        if deadlines is None or deadlines.loop is not loop:
+            deadlines = self._deadlines = _Deadlines(loop)
+        return deadlines
 
     def _take_kept(self, loop: asyncio.AbstractEventLoop | None = None) -> tuple[socket.socket, _Watch] | None:
         """A kept connection (still registered in this loop's selector) and its watch, or None."""
