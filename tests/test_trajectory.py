@@ -214,20 +214,22 @@ def _sqlite_rows(home: Path, sandbox_id: str, count: int, what: str = "COUNT(*)"
 @pytest.mark.parametrize("batch_ms", ["0", "600000"])
 def test_step_is_durable_when_the_node_dies_right_after_the_ack(tmp_path: Path, batch_ms: str) -> None:
     """SIGKILLed right after the ack, with the result already in SQLite (batch_ms 0) or only in the journal
-    (a batch that never comes before the kill): the restarted node has the step and fast-forwards it. A node
-    that did not replay the journal into SQLite runs the step a second time here."""
+    (a batch that never comes before the kill): the restarted node has the steps and fast-forwards them. A node
+    that did not replay the journal into SQLite runs a step a second time here. Both steps are answered from
+    the journal's fsync completion (server.ANSWERED_AT_FSYNC): an exec and a file write."""
     doomed = NodeProcess(tmp_path / "home", f"shoal-test-durable-{os.getpid()}", SHOAL_LOG_BATCH_MS=batch_ms).start()
     with doomed.client() as client:
         sb = client.create(image="busybox", pool=False, trajectory="durable")
         acked = sb.exec("echo once >> /f; cat /proc/sys/kernel/random/uuid")
+        assert sb.files.write("/f", "written once\n", append=True) == 13
         if batch_ms == "0":
-            _sqlite_rows(doomed.home, sb.id, 1)  # the batch's turn of the loop
+            _sqlite_rows(doomed.home, sb.id, 2)  # the batch's turn of the loop
         os.kill(doomed.pid, signal.SIGKILL)  # no chance to flush anything after the ack
     doomed.stop(signal.SIGKILL)
     db = sqlite3.connect(f"file:{tmp_path / 'home' / 'trajectory.db'}?mode=ro", uri=True)
     in_sqlite = db.execute("SELECT COUNT(*) FROM steps WHERE sandbox_id=?", (sb.id,)).fetchone()
     db.close()
-    assert in_sqlite == ((1,) if batch_ms == "0" else (0,))  # killed between the journal and the batch
+    assert in_sqlite == ((2,) if batch_ms == "0" else (0,))  # killed between the journal and the batch
     restarted = NodeProcess(doomed.home, doomed.cgroup_parent).start()
     try:
         with restarted.client() as client:
@@ -235,7 +237,8 @@ def test_step_is_durable_when_the_node_dies_right_after_the_ack(tmp_path: Path, 
             assert again.id == sb.id  # re-adopted
             replayed = again.exec("echo once >> /f; cat /proc/sys/kernel/random/uuid")
             assert replayed.stdout == acked.stdout  # the logged result, not a second run
-            assert again.files.read_text("/f") == "once\n"
+            assert again.files.write("/f", "written once\n", append=True) == 13
+            assert again.files.read_text("/f") == "once\nwritten once\n"
             again.close()
         assert not no_leftovers(restarted.home, restarted.cgroup_parent)
     finally:

@@ -21,8 +21,9 @@ from shoal.protocol import Request, Response
 log = logging.getLogger("shoal.server")
 PORT_CONNECT = "port_connect"  # not an operation of the table: it turns its connection into a byte stream
 # Operations whose answer the Unix socket sends from the log's fsync completion (trajectory.Answer): their
-# service method returns once its step is logged, with nothing after it that needs the fsync.
-ANSWERED_AT_FSYNC = frozenset({"exec"})
+# service method returns its step's result (NodeService._step) as it is, with nothing after the step.
+ANSWERED_AT_FSYNC = frozenset({"exec", "shell_run", "file_write", "file_untar", "file_read", "file_list",
+                               "file_stat", "file_mkdir", "file_remove"})  # fmt: skip
 
 
 class _Op:
