@@ -468,3 +468,15 @@ def test_default_runtime_falls_back_to_crun_where_the_launcher_cannot_run_and_re
         choose("shoal", userns_base=100000)
     with pytest.raises(ValueError, match="SHOAL_RUNTIME='docker': choose one of auto, shoal, crun, runc, runsc"):
         choose("docker", userns_base=None)
+
+
+def test_step_keys_are_stable() -> None:
+    """A step's key is in every trajectory log written so far: it must not change. Empty values (None, {}, [],
+    False, and so 0 too) and volatile arguments (timeouts) leave it as if they were not sent."""
+    from shoal.steps import step_key
+
+    sent = {"cmd": ["true"], "env": {}, "cwd": None, "stdin": None, "merge_stderr": False, "timeout": 60.0}
+    assert step_key("exec", sent) == step_key("exec", {"cmd": ["true"]}) == "87feaeef62fe71ff4bb4aabd"
+    assert step_key("exec", {"cmd": "x", "n": 0, "s": ""}) == "938b1cedfa53095c446d2938"
+    write = {"path": "/f", "data": b"x", "mode": 420, "append": True}
+    assert step_key("file_write", write) == "191192de430c2689b9ac2619"

@@ -20,10 +20,11 @@ BULK_BYTES = 64 << 10
 
 VOLATILE = frozenset({"timeout", "idle_timeout", "stream", "output_cap_bytes", "seq", "sandbox_id", "max_bytes"})
 _encode = msgspec.msgpack.Encoder().encode
+_EMPTY = (None, {}, [], False)  # values left out of a key (compared with ==: 0 and 0.0 too, not "")
 
 
 def step_key(op: str, args: dict[str, Any]) -> str:
-    identity = {k: v for k, v in sorted(args.items()) if k not in VOLATILE and v not in (None, {}, [], False)}
+    identity = {k: v for k, v in sorted(args.items()) if k not in VOLATILE and v not in _EMPTY}
     return hashlib.blake2b(_encode([op, identity]), digest_size=12).hexdigest()
 
 
