@@ -155,36 +155,56 @@ def test_every_kind_of_entry_a_call_makes_is_gone_for_the_next(client: shoal.Cli
 
 
 # a call changes what it may of /work, which the calls' user owns: mode (none at all, set-group-id), a user
-# attribute, a default ACL (POSIX ACL xattr: version 2; user, group and other entries, rwx), its times
-CHANGE_WORK = """
-import os, struct
+# attribute, a default ACL (POSIX ACL xattr: version 2; user, group and other entries, rwx), its inode flags
+# (chattr +d +A: FS_IOC_SETFLAGS, nodump and noatime), its times
+WORK_FLAGS = """
+import fcntl, os, struct
+def flags(set_to=None):
+    fd = os.open('/work', os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if set_to is not None:
+            fcntl.ioctl(fd, 0x40086602, struct.pack('i', set_to))
+        return struct.unpack('i', fcntl.ioctl(fd, 0x80086601, bytes(4)))[0]
+    except OSError:  # a file system without them: the rest is still checked
+        return None
+    finally:
+        os.close(fd)
+"""
+CHANGE_WORK = (
+    WORK_FLAGS
+    + """
 acl = struct.pack('<I', 2) + b''.join(struct.pack('<HHI', tag, 7, 0xFFFFFFFF) for tag in (0x01, 0x04, 0x20))
 for name, value in (('user.shoal', b'left'), ('system.posix_acl_default', acl)):
     try:
         os.setxattr('/work', name, value)
-    except OSError:  # a file system without them: the rest is still checked
+    except OSError:  # as above
         pass
+now = flags(0x40 | 0x80)
 os.utime('/work', (12345, 67890))
 os.chmod('/work', 0o2000)
 st = os.stat('/work')
-[oct(st.st_mode & 0o7777), sorted(os.listxattr('/work')), st.st_mtime]
+[oct(st.st_mode & 0o7777), sorted(os.listxattr('/work')), st.st_mtime, now]
 """
-WORK_AS_IS = (
-    "import os\nst = os.stat('/work')\n"
-    "[oct(st.st_mode & 0o7777), st.st_uid, os.getcwd(), os.listxattr('/work'), st.st_mtime == 67890]"
+)
+WORK_AS_IS = WORK_FLAGS + (
+    "st = os.stat('/work')\n"
+    "[oct(st.st_mode & 0o7777), st.st_uid, os.getcwd(), os.listxattr('/work'), st.st_mtime == 67890, flags()]"
 )
 
 
 def test_what_a_call_sets_on_work_is_gone_for_the_next(client: shoal.Client) -> None:
     """/work belongs to the calls' user, so a call may chmod it, set its set-group-id bit, a default ACL (which
-    what later calls create there would inherit), user attributes or its times. None of it outlives the call: a
-    chmod 0 of /work made every later call on that worker fail to start ('could not set up the call', exit 125)."""
+    what later calls create there would inherit), user attributes, inode flags or its times. None of it outlives
+    the call: a chmod 0 of /work made every later call on that worker fail to start ('could not set up the
+    call', exit 125)."""
     before = client.call(WORK_AS_IS)
-    assert before[0] == "0o755" and before[2] == "/work" and before[3:] == [[], False], before
+    assert before[0] == "0o755" and before[2] == "/work" and before[3:5] == [[], False], before
+    assert before[5] in (0, None), before
     for _ in range(3):
-        mode, names, mtime = client.call(CHANGE_WORK)
+        mode, names, mtime, flags = client.call(CHANGE_WORK)
         assert (mode, mtime) == ("0o2000", 67890), (mode, mtime)  # the call did change them
         assert set(names) <= {"user.shoal", "system.posix_acl_default"}, names
+        assert flags in (0x40 | 0x80, None), flags
         for _ in range(2):
             assert client.call(WORK_AS_IS) == before
 

@@ -27,6 +27,7 @@ import _socket
 import ast
 import binascii
 import errno
+import fcntl
 import gc
 import json
 import os
@@ -161,7 +162,7 @@ def tmpfs_roots() -> frozenset[str]:
     return frozenset(found)
 
 
-def wipe(empty: dict[str, int] | None = None, pristine: dict[str, tuple] | None = None) -> None:
+def wipe(empty: dict[str, int] | None = None, pristine: dict[str, Root] | None = None) -> None:
     """Remove everything a call wrote (every writable root is emptied, and put back as it was).
 
     `empty`: for roots that are tmpfs mount points, a directory's size when it has no entries. tmpfs counts
@@ -170,8 +171,7 @@ def wipe(empty: dict[str, int] | None = None, pristine: dict[str, tuple] | None 
     listing and closing it; a root at any other size is listed and emptied as before. Filled in here the
     first time a root is seen empty.
 
-    `pristine`: each root's mode, uid, gid, whether the calls own it, and its access and modification times
-    before any call (`Worker.pristine`): what a call changed of them is put back (`restore_root`)."""
+    `pristine`: each root as it was before any call (`Root`): what a call changed of it is put back."""
     for root in WRITABLE:
         try:
             status = os.stat(root)
@@ -195,49 +195,72 @@ def wipe(empty: dict[str, int] | None = None, pristine: dict[str, tuple] | None 
                     except FileNotFoundError:
                         pass
         was = pristine.get(root) if pristine is not None else None
-        if was is not None:  # compared here without making objects: this runs after every call
-            mode, uid, gid, owned, atime, mtime = was
-            if (
-                listed
-                or owned
-                or status.st_mode != mode
-                or status.st_uid != uid
-                or status.st_gid != gid
-                or status.st_atime_ns != atime
-                or status.st_mtime_ns != mtime
-            ):
-                restore_root(root, status, listed, *was)
+        if was is not None and (  # compared without making objects: this runs after every call
+            listed
+            or was.fd >= 0
+            or status.st_mode != was.mode
+            or status.st_uid != was.uid
+            or status.st_gid != was.gid
+            or status.st_atime_ns != was.atime
+            or status.st_mtime_ns != was.mtime
+        ):
+            was.restore(status, listed)
 
 
 # what the owner of a directory may set on it without privileges: user attributes and POSIX ACLs
 _OWNER_XATTRS = ("user.", "system.posix_acl_")
 
 
-def restore_root(
-    root: str, status: os.stat_result, listed: bool, mode: int, uid: int, gid: int, owned: bool, atime: int, mtime: int
-) -> None:
-    """Put a writable root's mode, owner, attributes and times back as they were before any call (`status`: its
-    stat before the clean-up; `listed`: the clean-up listed it, so its times changed since). /work belongs to
-    the calls' user, so a call may chmod it (to 0: every later call on the worker failed to chdir there), set
-    its set-group-id bit, a default ACL (inherited by what later calls create there), user attributes or its
-    times: all outlived the call. Roots the calls do not own (root's, sticky) have no attributes of theirs
-    to remove. Per call: the stat `wipe` makes anyway and, for /work, one listxattr; more only to undo."""
-    changed = False
-    if owned:
+# ioctl(2) requests for an inode's flags (chattr's): an int, whatever the request's encoded size says
+FS_IOC_GETFLAGS, FS_IOC_SETFLAGS = 0x80086601, 0x40086602
+
+
+class Root:
+    """A writable root as prepare_dirs left it, before any call, and how to put it back.
+
+    /work belongs to the calls' user, so a call may chmod it (to 0: every later call on the worker failed to
+    chdir there), set its set-group-id bit, a default ACL (inherited by what later calls create there), user
+    attributes, inode flags (chattr +d, +A) or its times: all outlived the call. Of the roots the calls do
+    not own (root's, sticky) they can change only the times (to now). Per call: the stat `wipe` makes anyway
+    and, for /work, one listxattr and one ioctl on a descriptor kept open; more only to undo a change."""
+
+    __slots__ = ("atime", "fd", "flags", "gid", "mode", "mtime", "path", "uid")
+
+    def __init__(self, path: str, calls_uid: int) -> None:
+        status = os.stat(path)
+        self.path, self.mode, self.uid, self.gid = path, status.st_mode, status.st_uid, status.st_gid
+        self.atime, self.mtime = status.st_atime_ns, status.st_mtime_ns
+        self.fd, self.flags = -1, b""  # for a root the calls own: a descriptor of it and its flags
+        if status.st_uid == calls_uid:
+            self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            self.flags = self._flags()
+
+    def _flags(self) -> bytes:
         try:
-            for name in os.listxattr(root, follow_symlinks=False):
-                if name.startswith(_OWNER_XATTRS):
-                    os.removexattr(root, name, follow_symlinks=False)
-                    changed = True
-        except OSError:  # no attributes on this file system
-            pass
-    if (status.st_uid, status.st_gid) != (uid, gid):
-        os.chown(root, uid, gid)
-        changed = True
-    if changed or status.st_mode != mode:
-        os.chmod(root, mode & 0o7777)
-    if listed or status.st_atime_ns != atime or status.st_mtime_ns != mtime:
-        os.utime(root, ns=(atime, mtime))
+            return fcntl.ioctl(self.fd, FS_IOC_GETFLAGS, b"\0\0\0\0")
+        except OSError:  # a file system without inode flags
+            return b""
+
+    def restore(self, status: os.stat_result, listed: bool) -> None:
+        """`status`: the root's stat before the clean-up; `listed`: the clean-up listed it (its times changed)."""
+        path, changed = self.path, False
+        if self.fd >= 0:
+            try:
+                for name in os.listxattr(self.fd):
+                    if name.startswith(_OWNER_XATTRS):
+                        os.removexattr(self.fd, name)
+                        changed = True
+            except OSError:  # no attributes on this file system
+                pass
+            if self.flags and self._flags() != self.flags:
+                fcntl.ioctl(self.fd, FS_IOC_SETFLAGS, self.flags)
+        if (status.st_uid, status.st_gid) != (self.uid, self.gid):
+            os.chown(path, self.uid, self.gid)
+            changed = True
+        if changed or status.st_mode != self.mode:
+            os.chmod(path, self.mode & 0o7777)
+        if listed or status.st_atime_ns != self.atime or status.st_mtime_ns != self.mtime:
+            os.utime(path, ns=(self.atime, self.mtime))
 
 
 def rmtree(path: str) -> None:
@@ -485,18 +508,10 @@ class Worker:
         self.devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         self.sysv = open_sysv()
         self.empty: dict[str, int] = {}  # tmpfs roots' size when empty (see wipe)
-        self.pristine = {}  # each writable root as prepare_dirs left it: mode, owner, owned by calls, times (wipe)
+        self.pristine: dict[str, Root] = {}  # each writable root as it was before any call (see wipe)
         for root in WRITABLE:
             try:
-                status = os.stat(root)
-                self.pristine[root] = (
-                    status.st_mode,
-                    status.st_uid,
-                    status.st_gid,
-                    status.st_uid == uid,
-                    status.st_atime_ns,
-                    status.st_mtime_ns,
-                )
+                self.pristine[root] = Root(root, uid)
             except OSError:
                 pass
         self.environ: dict = dict(os.environ)  # what os.environ holds now
