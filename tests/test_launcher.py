@@ -149,12 +149,17 @@ def test_the_launcher_makes_the_next_sandbox_init_ahead_and_it_ends_with_the_lau
             until(lambda: len(_launchers(launcher_pid)) == 1 and _launchers(launcher_pid) != spares)
             with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as after:
                 assert after.exec("echo ok").stdout == "ok\n"
+            survivor = client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300)
             until(lambda: len(_launchers(launcher_pid)) == 1)
             spares = _launchers(launcher_pid)
             os.kill(launcher_pid, signal.SIGKILL)  # its spare sees its socket close and exits
             until(lambda: not Path(f"/proc/{spares[0]}").exists())
             with client.create(image="busybox", runtime="shoal", pool=False, ttl_s=300) as again:
                 assert again.exec("echo again").stdout == "again\n"
+            # a sandbox of the killed launcher's: its /sys cloned that launcher's template, whose lo went with it;
+            # the next launcher gives it a sysfs of its own namespace (launcher.py, _restarted)
+            until(lambda: survivor.exec("ls /sys/class/net").stdout == "lo\n")
+            survivor.close()
             launcher_pid = _launchers(node.pid)[0]
             until(lambda: len(_launchers(launcher_pid)) == 1)
             spares = _launchers(launcher_pid)

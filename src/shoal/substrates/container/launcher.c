@@ -330,7 +330,7 @@ static int readonly_early_path(int i) {
  * nosuid, nodev, noexec, with the same masks. Its lo's counters are the template's (no traffic), not the
  * sandbox's. The template's network namespace is held by the launcher (template_net: a sysfs superblock holds
  * only a passive reference, which keeps no device) and ends with it; a restarted node gives the sandboxes it
- * re-adopts a sysfs of their own (see own_sysfs). */
+ * re-adopts, and the node's next launcher those of one that died, a sysfs of their own (see own_sysfs). */
 static int template_sysfs = -1, template_net = -1;
 static char masked_template[MAX_LIST], readonly_template[MAX_LIST]; /* conf.mask[i] / conf.ro[i] on it */
 static int sysfs_cloned; /* this spare's (or child's) ahead_sysfs is a clone of template_sysfs */

@@ -169,6 +169,8 @@ class Launcher:
         self._starting = asyncio.Lock()
         self._write_wait = asyncio.Lock()
         self._tasks = TaskOwner("shoal-launcher")
+        # the sandboxes this node's launchers made and it has not destroyed: init pid -> cgroup (see _restarted)
+        self._made: dict[int, str] = {}
 
     async def create(self, fields: list[tuple[str, str]], listen_fd: int, on_pid: Callable[[int], None]) -> int:
         """Make one sandbox (`fields`: launcher.c's create keys); the pid of its agent (its init).
@@ -191,6 +193,7 @@ class Launcher:
         if status != "ok":
             raise SandboxLostError(f"the shoal launcher could not start the sandbox: {rest}")
         pid = int(rest)
+        self._made[pid] = "/" + dict(fields).get("cgroup", "")
         on_pid(pid)
         return pid
 
@@ -200,6 +203,7 @@ class Launcher:
 
         False: the running launcher did not make it (a sandbox re-adopted from an earlier node, or one whose
         init is gone already), or no launcher runs: the caller kills it and removes its cgroup itself."""
+        self._made.pop(pid, None)
         if self._sock is None:
             return False
         try:
@@ -252,6 +256,21 @@ class Launcher:
             if status != "ok":
                 self._lost(f"it refused its settings: {rest}")
                 raise SandboxLostError(f"the shoal launcher refused its settings: {rest}")
+            made, self._made = self._made, {}
+            if made:
+                self._tasks.spawn(self._restarted(made), name="own sysfs for an earlier launcher's sandboxes")
+
+    async def _restarted(self, made: dict[int, str]) -> None:
+        """A launcher that died left sandboxes running (`made`: init pid -> cgroup): each whose init still runs
+        in its cgroup (not a reused pid) gets a sysfs of its own, as a re-adopted one does (readopt): their /sys
+        cloned that launcher's template, whose loopback ended with it (launcher.c, template_sysfs)."""
+        for pid, cgroup in made.items():
+            if pid not in await asyncio.to_thread(cgroups.procs, cgroup):
+                continue
+            try:
+                await self.own_sysfs(pid)
+            except Exception as exc:  # its /sys/class/net shows no device; the rest of it works
+                log.warning("sandbox init %d keeps the sysfs of a launcher that died: %s", pid, exc)
 
     async def _send(self, op: str, fields: list[tuple[str, str]], fd: int | None = None) -> asyncio.Future:
         """Send one request; the future of its answer, (status, rest). Dropped from the waiters once answered
