@@ -265,12 +265,18 @@ class Launcher:
         in its cgroup (not a reused pid) gets a sysfs of its own, as a re-adopted one does (readopt): their /sys
         cloned that launcher's template, whose loopback ended with it (launcher.c, template_sysfs)."""
         for pid, cgroup in made.items():
-            if pid not in await asyncio.to_thread(cgroups.procs, cgroup):
-                continue
-            try:
-                await self.own_sysfs(pid)
-            except Exception as exc:  # its /sys/class/net shows no device; the rest of it works
-                log.warning("sandbox init %d keeps the sysfs of a launcher that died: %s", pid, exc)
+            await self.repair_sysfs(pid, cgroup)
+
+    async def repair_sysfs(self, pid: int, cgroup: str) -> None:
+        """own_sysfs for a sandbox whose /sys cloned the template of a launcher that ended (a node's re-adopted
+        sandboxes, an earlier launcher's): only if its init `pid` still runs in `cgroup` (not a reused pid), and
+        a failure is logged, not raised: its /sys/class/net then shows no device, the rest of it works."""
+        if pid not in await asyncio.to_thread(cgroups.procs, cgroup):
+            return
+        try:
+            await self.own_sysfs(pid)
+        except Exception as exc:  # its /sys/class/net shows no device; the rest of it works
+            log.warning("sandbox init %d keeps the sysfs of a launcher that ended: %s", pid, exc)
 
     async def _send(self, op: str, fields: list[tuple[str, str]], fd: int | None = None) -> asyncio.Future:
         """Send one request; the future of its answer, (status, rest). Dropped from the waiters once answered

@@ -233,12 +233,8 @@ class ContainerSubstrate(Substrate):
         """None (the node checks the agent's pid and cgroup); a shoal-launcher sandbox whose agent still runs in
         its cgroup gets a sysfs of its own first: the template its /sys cloned ended with the launcher that made
         it, and its loopback with it (launcher.c, own_sysfs)."""
-        pid = instance.pid
-        if instance.runtime == launcher.NAME and pid is not None and pid in cgroups.procs(instance.cgroup_path):
-            try:
-                await self._launcher.own_sysfs(pid)
-            except Exception as exc:  # its /sys/class/net shows no device; the rest of it works
-                log.warning("re-adopted sandbox %s keeps its sysfs: %s", instance.id, exc)
+        if instance.runtime == launcher.NAME and instance.pid is not None:
+            await self._launcher.repair_sysfs(instance.pid, instance.cgroup_path)
         return None
 
     async def destroy(self, instance: Instance) -> None:
