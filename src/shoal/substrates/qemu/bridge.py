@@ -10,6 +10,9 @@ failed) is closed in the guest at its next data frame, as a container's handler 
 The guest agent (`shoal-agent --serial`) serves each channel with its usual per-connection handler, so
 `AgentClient` works unchanged. The chardev side can be swapped (restore, resume) with `attach()`;
 connections open at that moment are closed, as the guest drops them too.
+Channel numbers start at a random point in every bridge (`_channel_numbers`), because a guest restored
+from a snapshot can send frames of the channels it had open when it was saved before it reads the new
+connection's 'R'.
 The guest is untrusted: frame lengths are bounded.
 """
 
@@ -18,13 +21,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import secrets
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 _HDR = struct.Struct(">IBI")
 _CHUNK = 1 << 16
 _RESET = _HDR.pack(0, ord("R"), 16) + b"SHOAL-MUX-RESET1"
 _MAX_FRAME = 1 << 20  # the agent sends at most 64 KiB per frame
+_CHANNELS = (1 << 32) - 1  # channel numbers 1 .. 2**32-1 (u32; 0 is the reset's)
+
+
+def _channel_numbers() -> Iterator[int]:
+    """This bridge's channel numbers: consecutive from a random start, wrapping past 2**32-1 to 1.
+
+    A VM restored from a snapshot (a template, a fork, a pause) runs on from the moment it was saved: its
+    agent may report the end of a channel that was open then (the template's boot hello) before it reads
+    this connection's 'R' and drops such channels. Those frames arrive here after 'R' was sent, when this
+    bridge may already have opened channels of its own. With every bridge counting from 1, the restored
+    copy's first request (its identity) had the template's last channel number and was closed by that
+    channel's late 'C' ("closed the connection unexpectedly", seen in CI). From a random start, a late frame
+    names a channel this bridge has never opened, and is dropped.
+    """
+    start = secrets.randbelow(_CHANNELS)
+    return (1 + (start + k) % _CHANNELS for k in itertools.count())
 
 
 class AgentBridge:
@@ -36,7 +57,7 @@ class AgentBridge:
         self._serial_writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self._channels: dict[int, asyncio.StreamWriter] = {}
-        self._ids = itertools.count(1)
+        self._ids = _channel_numbers()
         self._connected = asyncio.Event()
         self._dead = False
         self._tasks: set[asyncio.Task] = set()
