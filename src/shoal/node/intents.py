@@ -14,8 +14,10 @@ byte 16: a u32 length, a u32 CRC-32 of the body seeded with the epoch, the body 
 in the `steps` table's column order, 10 fields, its intent with `finished_at` None; a sandbox opened, 6 fields;
 closed, 5). The file is JOURNAL_BYTES of zeros written once (not fallocated: unwritten extents would make
 every fdatasync commit their conversion to the file system's journal, the cost bench/bench_walfloor.py
-measured for a growing WAL), so an fdatasync flushes data only. Recovery reads records until a zero length
-or a CRC that fails: a torn record, or the stale records of an earlier epoch past the tail, end it.
+measured for a growing WAL), so an fdatasync commits no size or extent change (on ext4 without a journal it
+still writes the inode's block when a write moved the mtime, i.e. in a new clock tick: bench/bench_logpath.py).
+Recovery reads records until a zero length or a CRC that fails: a torn record, or the stale records of an
+earlier epoch past the tail, end it.
 
 Starting over (`rotate`, once the tail passes ROTATE_BYTES) happens in place: a new epoch in the header, then
 the running steps' intents from byte 16. The caller first puts every result into SQLite and fsyncs the WAL, so
