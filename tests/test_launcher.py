@@ -8,6 +8,7 @@ halfway or is cancelled, a killed launcher, and a SIGKILLed node whose successor
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import subprocess
@@ -291,6 +292,51 @@ def test_a_closed_sandboxs_cgroup_serves_a_later_one_from_zero(tmp_path: Path) -
                         assert cgroups.oom_kills(f"/{node.cgroup_parent}/{each.id}") == 0
             assert not no_leftovers(node.home, node.cgroup_parent)
             assert any(memory.glob(".spare-*"))
+    finally:
+        node.stop()
+    assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)
+
+
+def test_creates_that_find_no_spare_ready_take_kept_cgroups_from_zero(tmp_path: Path) -> None:
+    """Issue 12: the launcher makes its spare only while no create is in flight, so of creates that come
+    together all but the first clone their child on the spot. Those take kept cgroups too, reset from zero with
+    their own limits, instead of making new ones (which left the kept ones untaken: 16 concurrent
+    create+exec+close cycles made and removed a cgroup in every hierarchy each). After 6 closes, 6 creates at
+    once make at most one new cgroup: the one of the spare that waited before anything was kept."""
+    node = NodeProcess(tmp_path / "home", f"shoal-test-launcher-spot-{os.getpid()}").start()
+    memory = cgroups.ROOT / "memory" / node.cgroup_parent
+    pids = cgroups.ROOT / "pids" / node.cgroup_parent
+    burn = "dd if=/dev/zero of=/fill bs=1M count=8 2>/dev/null; i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done"
+
+    async def burst(client: shoal.AsyncClient, **limits: int) -> list:
+        create = functools.partial(client.create, image="busybox", runtime="shoal", pool=False, ttl_s=300)
+        return list(await asyncio.gather(*(create(**limits) for _ in range(6))))
+
+    async def run() -> None:
+        async with node.async_client() as client:
+            first = await burst(client, memory_mb=256)
+            await asyncio.gather(*(sb.exec(["sh", "-c", burn]) for sb in first))
+            burnt = min([(await sb.usage())["cpu_s"] for sb in first])
+            inos = {(memory / sb.id).stat().st_ino for sb in first}
+            await asyncio.gather(*(sb.close() for sb in first))
+            second = await burst(client, memory_mb=64, pids=40)
+            try:
+                new = [sb.id for sb in second if (memory / sb.id).stat().st_ino not in inos]
+                assert len(new) <= 1, (new, [sb.id for sb in second])
+                for sb in second:
+                    used = await sb.usage()
+                    assert used["cpu_s"] < burnt / 4, (used, burnt)
+                    assert int((memory / sb.id / "memory.max_usage_in_bytes").read_text()) < 16 << 20
+                    assert (memory / sb.id / "memory.failcnt").read_text() == "0\n"
+                    assert int((memory / sb.id / "memory.limit_in_bytes").read_text()) == 64 << 20
+                    assert (pids / sb.id / "pids.max").read_text() == "40\n"
+                    assert (await sb.exec(["true"])).exit_code == 0
+            finally:
+                await asyncio.gather(*(sb.close() for sb in second))
+
+    try:
+        asyncio.run(run())
+        assert not no_leftovers(node.home, node.cgroup_parent)
     finally:
         node.stop()
     assert not no_leftovers(node.home, node.cgroup_parent, node_stopped=True)

@@ -755,7 +755,8 @@ static void spare_cgroup_dir(char *out, size_t size, const char *h, const char *
  * cleanup of spares covers: leave, launcher.py's remove_spare_cgroups after a killed launcher, the node's
  * start) and handed to the next spare, which resets it before it joins it (spare_cgroup, reset_dir: memory
  * peak, fail counts and CPU usage zeroed, what is still charged reclaimed above a bound, the limits that
- * differ written; the devices list is every sandbox's). Only one whose counters the node reads can be reset or are
+ * differ written; the devices list is every sandbox's), or to a create that finds no spare ready, reset the
+ * same way by the launcher (take_kept_cgroup). Only one whose counters the node reads can be reset or are
  * zero is kept: no OOM kill in it (memory.oom_control's count cannot be reset and the node reads it as the
  * sandbox's), not frozen, no task left. At most conf.kept wait (SHOAL_KEPT_CGROUPS, 0: none); the others are
  * removed as before. */
@@ -858,6 +859,58 @@ static int reset_dir(const char *h, const char *dir) {
         if (write_file(dir, "cpuacct.usage", "0") < 0 && errno != ENOENT) return -1;
     }
     return 0;
+}
+
+/* A create with no spare ready clones its child on the spot (the spare is made only while no create is in
+ * flight: with 16 creates at once nearly every one does) and takes a kept cgroup too, renamed to the
+ * sandbox's and reset here as a spare resets its own (reset_dir, then the limits that differ). Why (issue 12):
+ * else each such create made a new directory in every hierarchy (8 mkdirs and a devices list) and, with the
+ * kept ones never taken, its close removed one (8 rmdirs, a memory cgroup taken offline and freed by kernel
+ * workers): 16 concurrent create+exec+close cycles kept almost none. One still charged above KEPT_CHARGE_MAX
+ * is left for a spare (its reclaim would hold up every create in flight here). 1 if the sandbox has its
+ * cgroup; 0: none kept, or a step failed (that kept cgroup is then removed), and the caller makes one. */
+static int take_kept_cgroup(const struct request *r) {
+    char from[4400], to[4400], value[64];
+    size_t plen = strlen(ready_parent);
+    if (!nkept || !plen || strncmp(r->cgroup, ready_parent, plen) || r->cgroup[plen] != '/' ||
+        strchr(r->cgroup + plen + 1, '/'))
+        return 0; /* none, or not a child of the parent the kept ones are in (renamed within one parent) */
+    const char *name = kept[nkept - 1].name;
+    if (strncmp(name, ready_parent, plen) || name[plen] != '/') return 0; /* make_spare removes it */
+    for (int i = 0; i < conf.ncg; i++) {
+        if (strcmp(base_name(conf.cg[i]), "memory")) continue;
+        snprintf(from, sizeof from, "%s/%s", conf.cg[i], name);
+        if (read_file(from, "memory.usage_in_bytes", value, sizeof value) < 0 || atol(value) > KEPT_CHARGE_MAX)
+            return 0;
+    }
+    struct limits now, was = kept[--nkept].limits;
+    limits_of(r, &now);
+    int done = 0;
+    for (; done < conf.ncg; done++) {
+        if (in_parent_cpuset(conf.cg[done], r->cgroup)) continue;
+        snprintf(from, sizeof from, "%s/%s", conf.cg[done], name);
+        snprintf(to, sizeof to, "%s/%s", conf.cg[done], r->cgroup);
+        if (rename(from, to) < 0) break;
+    }
+    if (done < conf.ncg) { /* back to its kept name, and removed */
+        while (--done >= 0) {
+            if (in_parent_cpuset(conf.cg[done], r->cgroup)) continue;
+            snprintf(from, sizeof from, "%s/%s", conf.cg[done], name);
+            snprintf(to, sizeof to, "%s/%s", conf.cg[done], r->cgroup);
+            (void)rename(to, from);
+        }
+        remove_cgroup(name);
+        return 0;
+    }
+    for (int i = 0; i < conf.ncg; i++) {
+        if (in_parent_cpuset(conf.cg[i], r->cgroup)) continue;
+        snprintf(to, sizeof to, "%s/%s", conf.cg[i], r->cgroup);
+        if (reset_dir(conf.cg[i], to) < 0 || limit_dir(conf.cg[i], to, &now, &was) < 0) {
+            remove_cgroup(r->cgroup);
+            return 0;
+        }
+    }
+    return 1;
 }
 
 /* In the spare, before it waits: make (or reset a kept one) and join its cgroup; 'j', or 'n' if any step
@@ -1179,7 +1232,7 @@ static void create(const struct request *r, int listen_fd) {
      * request (below), while it sets the sandbox up */
     int take = use_spare && spare_answer == 'j' && spare_cgname[0];
     if (take) in_cgroup = 1;
-    else if ((why = make_cgroup(r))) {
+    else if (!take_kept_cgroup(r) && (why = make_cgroup(r))) {
         reply("%s err %s", r->id, why);
         return;
     }

@@ -27,7 +27,8 @@ only its loopback (the launcher's template; a sandbox given a network policy, or
 node, gets a sysfs of its own: own_sysfs), lets sandboxes share their parent's cpuset, and keeps a destroyed
 sandbox's cgroup (emptied, renamed to a spare's, at most SHOAL_KEPT_CGROUPS) for a later spare, which resets
 it (memory peak, fail count and CPU usage zeroed, what is still charged reclaimed above 16 MiB, limits
-written) instead of making one: no memory cgroup is taken offline per close. One where the OOM killer fired
+written) instead of making one, or for a create that finds no spare ready (creates that come together: the
+launcher resets it the same way): no memory cgroup is taken offline per close. One where the OOM killer fired
 is removed (that count cannot be reset).
 
 The launcher is the init's parent and reaps it; it exits when the node's end of the socket closes (or on
