@@ -101,7 +101,9 @@ def _declare(name: str, type_: type, default: Any, scope: str, doc: str, **kw: A
 # ---------------------------------------------------------------- node
 HOME: Setting[Path] = _declare(
     "SHOAL_HOME", Path, Path("/var/lib/shoal"), NODE,
-    "The node's private state directory (node.sock, sandboxes, trajectory.db); clients find the node's socket here.",
+    "The node's private state directory (node.sock, sandboxes, trajectory.db); clients find the node's socket here. "
+    "Put it on a file system with a journal (ext4 with one, XFS): on ext4 without one, each logged step's fdatasync "
+    "also writes the log's inode block, a third disk request (docs/PERFORMANCE.md, the log's added time).",
 )  # fmt: skip
 IMAGES_DIR: Setting[Path] = _declare(
     "SHOAL_IMAGES", Path, None, NODE,
