@@ -22,7 +22,15 @@ from dataclasses import dataclass
 import pytest
 
 from shoal.guest import AgentClient, AgentError, ExecProcess, ExitInfo, agent_binary_path
-from shoal.guest.client import EXEC_BG_FOLLOW, Attached, BackgroundStatus, _exec_payload, _frame, control_frames
+from shoal.guest.client import (
+    EXEC_BG_FOLLOW,
+    EXEC_HOLD_PID,
+    Attached,
+    BackgroundStatus,
+    _exec_payload,
+    _frame,
+    control_frames,
+)
 from shoal.protocol import cut_marker
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
@@ -46,7 +54,11 @@ def ignore_reserved_signal(signum: int) -> None:
 
 
 @pytest.fixture
-def agent() -> Iterator[Agent]:
+def agent(request: pytest.FixtureRequest) -> Iterator[Agent]:
+    """An agent and its client; parametrized (indirect) with a number of ms, the client asks the agent to hold
+    exec pid frames (EXEC_HOLD_PID, as a container's does) and the agent holds them that long at most."""
+    hold_ms = getattr(request, "param", None)
+    env = None if hold_ms is None else {**os.environ, "SHOAL_AGENT_PID_HOLD_MS": str(hold_ms)}
     binary = agent_binary_path()
     tmp = tempfile.mkdtemp(prefix="shoal-agent-")
     sock_path = os.path.join(tmp, "agent.sock")
@@ -66,10 +78,10 @@ def agent() -> Iterator[Agent]:
 
     # The agent's default listening fd is 3.  Its own session lets teardown kill
     # the agent together with any handler processes still running.
-    proc = subprocess.Popen([binary], pass_fds=[3], preexec_fn=to_fd3, start_new_session=True)
+    proc = subprocess.Popen([binary], pass_fds=[3], preexec_fn=to_fd3, start_new_session=True, env=env)
     sock.close()
     try:
-        yield Agent(proc, sock_path, AgentClient(sock_path))
+        yield Agent(proc, sock_path, AgentClient(sock_path, hold_pid=hold_ms is not None))
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -983,6 +995,7 @@ def handlers(agent_pid: int) -> set[int]:
     return {int(line.split()[0]) for line in out.stdout.splitlines() if "reserve" not in line}
 
 
+@pytest.mark.parametrize("agent", [None, 1], ids=["pid-sent", "pid-held"], indirect=True)
 async def test_exec_run_keeps_its_connection_while_execs_leave_nothing(agent: Agent) -> None:
     """Successive execs reuse one connection and its handler (one fork per exec: the command's); an exec that
     leaves a process running ends that (its handler stays as the keeper, naming the exec) and the next one
@@ -1011,6 +1024,7 @@ async def test_exec_run_keeps_its_connection_while_execs_leave_nothing(agent: Ag
     assert await wait_for(lambda: not handlers(agent.proc.pid), timeout=30)  # a closed client keeps no more
 
 
+@pytest.mark.parametrize("agent", [None, 1], ids=["pid-sent", "pid-held"], indirect=True)
 async def test_exec_run_redials_a_kept_connection_whose_handler_died(agent: Agent) -> None:
     """A kept connection's handler killed while idle (`kill -9 -1` in a sandbox) is detected and the exec goes
     on a new connection, started exactly once; a cancelled exec on a kept connection kills its tree."""
@@ -1029,6 +1043,7 @@ async def test_exec_run_redials_a_kept_connection_whose_handler_died(agent: Agen
     assert await wait_for(lambda: not handlers(agent.proc.pid), timeout=30)
 
 
+@pytest.mark.parametrize("agent", [None, 1], ids=["pid-sent", "pid-held"], indirect=True)
 async def test_an_idle_kept_connection_is_watched_by_the_loop(agent: Agent) -> None:
     """A kept connection stays in the loop's selector while idle (no epoll_ctl and no probe per exec): a
     handler that dies then is noticed by the loop and its connection closed with no exec asked; one that dies
@@ -1048,3 +1063,102 @@ async def test_an_idle_kept_connection_is_watched_by_the_loop(agent: Agent) -> N
     await runs_once_on_a_new_handler(client, again.handler_pid)  # type: ignore[attr-defined]
     client.close()
     assert not client._kept
+
+
+# --------------------------------------------------------------------------- a held pid frame (EXEC_HOLD_PID)
+
+
+@pytest.mark.parametrize("agent", [3000], indirect=True)
+def test_a_held_pid_frame_goes_out_with_the_exit_frame(agent: Agent) -> None:
+    """A command that ends within the hold: its pid frame and its exit frame reach the node in one read (one
+    wake-up of the node per exec, not two). Held 3 s here, so this does not depend on the machine's speed."""
+    payload = _exec_payload(["true"], ENV, "/", os.getuid(), os.getgid(), 1 << 20, False, False, EXEC_HOLD_PID)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    with sock:
+        sock.connect(agent.sock_path)
+        sock.sendall(_frame(b"E", payload))
+        data = sock.recv(4096)  # one send of 9 + 30 bytes: one read on a unix socket
+        assert len(data) == 13 + 30, data
+        pid, handler = struct.unpack_from(">II", data, 5)
+        assert data[:5] == struct.pack(">IB", 9, ord("P")) and pid > 0 and handler not in (0, pid)
+        assert data[13:18] == struct.pack(">IB", 26, ord("X")) and struct.unpack_from(">II", data, 18) == (0, 0)
+
+
+@pytest.mark.parametrize("agent", [3000], indirect=True)
+async def test_a_held_pid_frame_never_holds_back_output_nor_a_long_commands_start(agent: Agent) -> None:
+    """The first output goes out at once, the pid frame with it; a command that stays silent gets its pid
+    sent when the hold ends (3 s here), not at its exit; and an exec that waits for its start (it has stdin
+    to feed) is not held at all."""
+    arg = unique_sleep_arg()
+    run = await agent.client.exec_run(["sh", "-c", f"echo a; exec sleep {arg}"], env=ENV, stream=True, wait_start=False)
+    try:
+        t = time.monotonic()
+        while not run.chunks and run.exit is None and time.monotonic() - t < 2.5:
+            await run.wait(t + 2.5)
+        assert run.chunks == [("stdout", b"a\n")] and time.monotonic() - t < 2.5
+        assert run.started  # the pid came with the output: the shell's, which execs `sleep` after the echo
+        assert await wait_for(lambda: run.pid in procs_with_arg(arg), timeout=30)
+    finally:
+        run.close()
+    assert await wait_for(lambda: not procs_with_arg(arg), timeout=30)  # closed: the agent kills the tree
+
+    started: list[float] = []
+    run = await agent.client.exec_run(
+        ["sleep", arg], env=ENV, on_start=lambda r: started.append(time.monotonic()), wait_start=False
+    )
+    try:
+        t = time.monotonic()
+        while not started and time.monotonic() - t < 30:
+            await run.wait(time.monotonic() + 0.1)
+        assert run.exit is None and run.error is None and len(started) == 1
+        assert started[0] - t >= 2.9 and run.pid in procs_with_arg(arg)
+    finally:
+        run.close()
+    assert await wait_for(lambda: not procs_with_arg(arg), timeout=30)
+
+    t = time.monotonic()
+    fed = await exec_done(agent.client, ["cat"], stdin=b"abc")  # waits for the start: not held
+    assert bytes(fed.stdout) == b"abc" and time.monotonic() - t < 2.5  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("agent", [3000], indirect=True)
+async def test_a_command_that_kills_its_handler_before_its_held_pid_runs_once(agent: Agent) -> None:
+    """Its pid held, a command can run and kill its handler before the node knows it started: the exec is
+    reported as a broken connection of a started command (the node's "killed from inside"), never sent again
+    on a new connection as a kept connection's exec whose handler died before it started is."""
+    client = agent.client
+    await exec_done(client, ["true"])  # a kept connection
+    assert len(client._kept) == 1
+    counter = os.path.join(tempfile.mkdtemp(prefix="shoal-agent-count-"), "n")
+    try:
+        run = await exec_done(client, ["sh", "-c", f"echo x >> {counter}; kill -9 $PPID; sleep 1"])
+        assert run.started and run.pid == 0 and run.exit is None  # type: ignore[attr-defined]
+        assert isinstance(run.error, ConnectionError)  # type: ignore[attr-defined]
+        with open(counter) as f:
+            assert f.read() == "x\n"
+    finally:
+        shutil.rmtree(os.path.dirname(counter), ignore_errors=True)
+
+
+@pytest.mark.parametrize("agent", [3000], indirect=True)
+async def test_a_kept_handler_killed_with_the_request_unread_has_it_sent_again(agent: Agent) -> None:
+    """A reset (the handler's end closed with our request unread) proves the command did not start, pid held
+    or not: the exec goes on a new connection and runs once."""
+    client = agent.client
+    idle = await exec_done(client, ["true"])
+    handler = idle.handler_pid  # type: ignore[attr-defined]
+    os.kill(handler, signal.SIGSTOP)  # it cannot read what comes
+    counter = os.path.join(tempfile.mkdtemp(prefix="shoal-agent-count-"), "n")
+    try:
+        run = await client.exec_run(["sh", "-c", f"echo x >> {counter}"], env=ENV, wait_start=False)
+        try:
+            os.kill(handler, signal.SIGKILL)
+            await finish(run, time.monotonic() + 30)
+        finally:
+            run.close()
+        assert run.exit is not None and run.exit.exit_code == 0 and run.handler_pid != handler
+        with open(counter) as f:
+            assert f.read() == "x\n"
+    finally:
+        shutil.rmtree(os.path.dirname(counter), ignore_errors=True)

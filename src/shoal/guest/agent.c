@@ -59,6 +59,7 @@
 #define DRAIN_IDLE_NS 20000000LL  /* after exit: finish once pipes are idle this long */
 #define DRAIN_MAX_NS 2000000000LL /* after exit: finish at the latest after this long */
 #define EXIT_LINGER_NS 2000000000LL /* after the exit frame: wait this long at most for the node to close */
+#define PID_HOLD_NS 1000000LL       /* EXEC_HOLD_PID: the pid frame waits at most this long for company */
 #define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 /* VMs only (the guest kernel is ours to configure): every command runs in this cgroup, whose pids.max the
@@ -76,6 +77,8 @@
 #define EXEC_MERGE_STDERR 2u
 #define EXEC_BG_FOLLOW 4u /* 'B': the starter follows it on the same connection (as 'A' FOLLOW from 0) */
 #define EXEC_KEEP_CONN 8u /* 'E': the node keeps the connection for its next exec if this one leaves nothing behind */
+#define EXEC_HOLD_PID 16u /* 'E': the handler sends the pid frame with the command's first output or exit frame,
+                             or after PID_HOLD_NS (do_exec), not the child before it execs */
 #define WRITE_MKDIRS 1u
 #define WRITE_APPEND 2u
 
@@ -91,6 +94,7 @@ static int exec_ready = 0;      /* exec: SIGCHLD's handler and this handler's sl
 static int sigchld_pipe[2] = {-1, -1};
 static int commands_cgroup = -1; /* VMs: the guest cgroup every command enters (O_PATH dir), -1 elsewhere */
 static int ignores_all = 0;      /* every catchable signal is SIG_IGN here (PID 1 under gVisor: main) */
+static int64_t pid_hold_ns = PID_HOLD_NS; /* tests lengthen it: SHOAL_AGENT_PID_HOLD_MS in the agent's env */
 
 static unsigned char obuf[PIPE_CHUNK + 1024]; /* buffered outgoing frames */
 static size_t olen = 0;
@@ -1029,7 +1033,9 @@ static int parse_exec(struct cur *c, struct exec_req *r, uint32_t plen) {
  * copy-on-write faults after it, which a fork cost every exec (and more so under a paravirtualised MMU).
  * The child sends the exec's pid frame ('P': its pid and the handler's) itself before it execs, so the
  * command starts only once the node can know it started: a command that kills every process it can
- * (`kill -9 -1` takes the handler too) cannot do so before the node has its pid. */
+ * (`kill -9 -1` takes the handler too) cannot do so before the node has its pid.  Except with `hold`
+ * (EXEC_HOLD_PID): then the handler sends it, with the command's first frame (do_exec), and a connection
+ * that ends before it once the handler read the request may be a command that started (guest/client.py). */
 struct spawn {
     const char *cwd;
     uint32_t uid, gid;
@@ -1040,6 +1046,7 @@ struct spawn {
                    follower's own 'P' (pid, keeper, pty) goes out in the same send; 0: the start's 'P' only */
     int *slot_cmd; /* a keeper's slot's `cmd`: set by the child before its 'P' goes out, so the process is
                       listed ('J') as soon as the node can know it started (not only once it has exec'd) */
+    int hold;      /* EXEC_HOLD_PID: the child sends no 'P'; the handler does */
 };
 
 static int spawn_child(void *arg) {
@@ -1061,7 +1068,7 @@ static int spawn_child(void *arg) {
         f[26] = (unsigned char)(sp->follow - 1);
         len = 27;
     }
-    for (size_t off = 0; off < len;) {
+    for (size_t off = sp->hold ? len : 0; off < len;) {
         ssize_t n = send(conn, f + off, len - off, MSG_NOSIGNAL);
         if (n < 0 && errno == EINTR)
             continue;
@@ -1133,14 +1140,25 @@ static int do_exec(const unsigned char *pl, uint32_t plen) {
         slot_mark_self(SLOT_EXEC);
         exec_ready = 1;
     }
+    int hold = (flags & EXEC_HOLD_PID) != 0;
     flush_out(); /* the child writes the pid frame straight to the connection */
-    struct spawn sp = {cwd, uid, gid, inp[0], outp[1], merge ? outp[1] : errp[1], argv, envp, 0, 0, NULL};
+    struct spawn sp = {cwd, uid, gid, inp[0], outp[1], merge ? outp[1] : errp[1], argv, envp, 0, 0, NULL, hold};
     pid_t pid = spawn_exec(&sp);
     if (pid < 0) {
         send_err(errno, "exec %s: fork: %s", argv[0], strerror(errno));
         return 0;
     }
     cmd_pid = pid;
+    /* A held pid frame waits in the output buffer for the command's first output or its exit frame (a short
+       command's exec then wakes the node once, not twice: issue 12), or until PID_HOLD_NS passed. */
+    int64_t hold_until = 0;
+    if (hold) {
+        unsigned char pf[8];
+        put_u32(pf, (uint32_t)pid);
+        put_u32(pf + 4, (uint32_t)syscall(SYS_getpid));
+        send_frame('P', pf, sizeof(pf));
+        hold_until = now_ns() + pid_hold_ns;
+    }
     close(outp[1]);
     if (!merge)
         close(errp[1]);
@@ -1189,7 +1207,18 @@ static int do_exec(const unsigned char *pl, uint32_t plen) {
                 break;
             timeout = (int)((left + 999999) / 1000000);
         }
-        flush_out();
+        if (hold_until) {
+            int64_t left = hold_until - now_ns();
+            if (left <= 0) {
+                hold_until = 0;
+            } else {
+                int ms = (int)((left + 999999) / 1000000);
+                if (timeout < 0 || ms < timeout)
+                    timeout = ms;
+            }
+        }
+        if (!hold_until)
+            flush_out();
 
         struct pollfd pfd[5];
         int np = 0, i_conn, i_sig, i_out[2] = {-1, -1}, i_in = -1;
@@ -1230,8 +1259,10 @@ static int do_exec(const unsigned char *pl, uint32_t plen) {
                 size_t take = (size_t)n;
                 if (cap && sent[k] + take > head)
                     take = sent[k] >= head ? 0 : (size_t)(head - sent[k]);
-                if (take)
+                if (take) {
                     send_frame(k ? 'R' : 'O', buf, take);
+                    hold_until = 0; /* output goes out now, and the pid frame before it */
+                }
                 sent[k] += take;
                 if (take < (size_t)n)
                     tail_put(&tails[k], buf + take, (size_t)n - take);
@@ -2972,6 +3003,9 @@ static int seal_listen_dir(const char *path) {
 
 int main(int argc, char **argv) {
     int lfd = 3, sealed = 0;
+    const char *hold_ms = getenv("SHOAL_AGENT_PID_HOLD_MS");
+    if (hold_ms && *hold_ms)
+        pid_hold_ns = strtoll(hold_ms, NULL, 10) * 1000000LL;
     const char *serial = NULL;
     if (argc == 3 && strcmp(argv[1], "--fd") == 0) {
         lfd = atoi(argv[2]);

@@ -65,6 +65,7 @@ EXEC_STDIN_PIPE = 1
 EXEC_MERGE_STDERR = 2
 EXEC_BG_FOLLOW = 4  # 'B': the starter follows the process on the same connection
 EXEC_KEEP_CONN = 8  # 'E': the agent may keep the connection for the next exec (its exit frame says if it does)
+EXEC_HOLD_PID = 16  # 'E': the agent sends the pid with the command's first output or exit (ExecRun: held_pid)
 WRITE_MKDIRS = 1
 WRITE_APPEND = 2
 
@@ -386,8 +387,14 @@ class ExecRun:
         keeper: AgentClient | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         on_start: Callable[[ExecRun], Any] | None = None,
+        held_pid: bool = False,
     ) -> None:
         self._path, self._request, self._keeper, self._on_start = path, request, keeper, on_start
+        # The request asked the agent to hold the pid frame (EXEC_HOLD_PID): the command may run before its pid
+        # is on the way, so a connection that ends before the pid is sent again only if the agent cannot have
+        # read the request (`_fail`).
+        self._held_pid = held_pid
+        self._sent_more = False  # frames went after the request (send): an unread one proves nothing
         self._sock: socket.socket | None = None
         self._watch: _Watch | None = None
         self._from_keeper = False  # sent on a kept connection: if that ends before the pid, send it on a new one
@@ -401,7 +408,9 @@ class ExecRun:
         self._wake_on_start = False
         self._reading = self._closed = False
         self._registered = False  # the socket is in the loop's selector (this run's reader, or a keeper's watch)
-        self.started = False  # the agent answered with the pid: the command runs
+        # the agent answered with the pid: the command runs; or, the pid held, the connection ended once the agent
+        # read the request (its handler killed from inside: `kill -9 -1`), and the command may have run (pid 0)
+        self.started = False
         self.pid = 0
         self.handler_pid: int | None = None  # the exec's ID in `processes()` and `kill_processes(exec_id)`
         self.exec_id: Any = None  # what `on_start` returned (the node's name for this exec)
@@ -420,6 +429,7 @@ class ExecRun:
         keeper: AgentClient | None = None,
         on_start: Callable[[ExecRun], Any] | None = None,
         wait_start: bool = True,
+        held_pid: bool = False,
     ) -> ExecRun:
         """Send `request` on a kept connection of `keeper`'s if one is alive, else on a new one; with
         `wait_start`, return once the agent answered with the pid (raising its error, or ConnectionError, if it
@@ -427,10 +437,12 @@ class ExecRun:
         pid comes, and the caller finds a failure to start as `error` with `started` False, after `wait`.
         A kept connection that ends before the pid came is dialled again, by `wait` (the agent starts a
         command only once its pid is on the way; the handler of a kept connection can be killed from inside
-        the sandbox), so that exec costs no loop pass and no task wake-up at its start (issue 12)."""
+        the sandbox), so that exec costs no loop pass and no task wake-up at its start (issue 12). With
+        `held_pid` (the request has EXEC_HOLD_PID) it is dialled again only if the agent cannot have read
+        the request (`_fail`)."""
         loop = asyncio.get_running_loop()
         kept = keeper._take_kept(loop) if keeper is not None else None
-        run = cls(path, request, stream, keeper, loop, on_start)
+        run = cls(path, request, stream, keeper, loop, on_start, held_pid)
         try:
             if kept is not None:
                 try:
@@ -486,11 +498,12 @@ class ExecRun:
             data = self._sock.recv(self._RECV)  # type: ignore[union-attr]
         except (BlockingIOError, InterruptedError):
             return
-        except OSError as exc:
-            self._fail(ConnectionError(f"shoal agent at {self._path} dropped the connection: {exc}"))
+        except OSError as exc:  # ECONNRESET: the agent's end closed with bytes of ours unread
+            unread = isinstance(exc, ConnectionResetError)
+            self._fail(ConnectionError(f"shoal agent at {self._path} dropped the connection: {exc}"), unread)
             return
         if not data:
-            self._fail(ConnectionError(f"shoal agent at {self._path} closed the connection unexpectedly"))
+            self._fail(ConnectionError(f"shoal agent at {self._path} closed the connection unexpectedly"), False)
             return
         buf = self._buf
         buf += data
@@ -538,7 +551,13 @@ class ExecRun:
         else:
             self._fail(AgentError(_errno.EPROTO, f"unexpected frame {chr(kind)!r} from agent"))
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException, unread: bool = True) -> None:
+        """The connection broke (`unread`: with bytes of ours the agent never read) or the agent answered 'Z'."""
+        if not self.started and self._held_pid and isinstance(exc, ConnectionError) and (self._sent_more or not unread):
+            # Its pid held, the command may have started and its handler been killed (`kill -9 -1`): it is
+            # never sent again. Only a reset with nothing sent but the request (a frame the handler parses only
+            # whole) shows that the request was not read, so nothing ran (a kept connection: sent anew).
+            self.started = True
         if not self.started and self._from_keeper and isinstance(exc, ConnectionError) and not self._closed:
             self._drop_connection()  # a kept connection's handler that went away: `wait` sends it anew
             self._redial = True
@@ -585,7 +604,7 @@ class ExecRun:
             return
         if self._closed or self._sock is None:
             raise BrokenPipeError("the command's connection is closed")
-        self._sending = True
+        self._sending = self._sent_more = True
         try:
             await self._loop.sock_sendall(self._sock, frames)
         except OSError as exc:
@@ -816,12 +835,16 @@ class AgentClient:
     An idle kept connection stays in the event loop's selector, watched by `_idle` (its handler ended, or
     sent what nobody asked for: it is closed): the next exec takes it over by pointing its _Watch at its own
     reader, with no epoll_ctl, add_reader or MSG_PEEK probe per exec (issue 12). An EOF the loop has not seen
-    yet shows as a send error or an EOF before the pid, and the exec dials again (ExecRun.start, .wait)."""
+    yet shows as a send error or an EOF before the pid (a reset, if the pid is held), and the exec dials again
+    (ExecRun.start, .wait, ._fail)."""
 
     KEEP = 2
 
-    def __init__(self, socket_path: str) -> None:
+    def __init__(self, socket_path: str, hold_pid: bool = False) -> None:
         self.socket_path = socket_path
+        # exec_run without wait_start asks the agent to hold the pid frame (EXEC_HOLD_PID): only where the socket
+        # is the agent handler's own (not a VM's bridge), so that a reset tells a request the handler never read
+        self.hold_pid = hold_pid
         self._kept: list[tuple[socket.socket, asyncio.AbstractEventLoop, _Watch]] = []  # watched in that loop
         self._spare: socket.socket | None = None
         self._closed = False
@@ -1006,8 +1029,11 @@ class AgentClient:
         request is sent (`on_start(run)` runs when the pid comes, its result kept in `run.exec_id`; a failure
         to start shows after `wait` as `run.error` with `run.started` False). The output accumulates in the
         ExecRun (and in its `chunks` too if `stream`). The caller waits on it (ExecRun.wait) and closes it."""
-        payload = _exec_payload(argv, env, cwd, uid, gid, cap_bytes, stdin_pipe, merge_stderr, EXEC_KEEP_CONN)
-        return await ExecRun.start(self.socket_path, _frame(b"E", payload), stream, self, on_start, wait_start)
+        held = self.hold_pid and not wait_start  # a caller that waits for the pid gets it at once
+        flags = EXEC_KEEP_CONN | (EXEC_HOLD_PID if held else 0)
+        payload = _exec_payload(argv, env, cwd, uid, gid, cap_bytes, stdin_pipe, merge_stderr, flags)
+        request = _frame(b"E", payload)
+        return await ExecRun.start(self.socket_path, request, stream, self, on_start, wait_start, held)
 
     async def background(
         self,

@@ -405,7 +405,7 @@ static void do_background(const unsigned char *pl, uint32_t plen) {
     int follow = follow_out != NULL;
     struct spawn sp = {rq.cwd, rq.uid, rq.gid, slave >= 0 ? slave : inp[0], slave >= 0 ? slave : outp[1],
                        slave >= 0 ? slave : (merge ? outp[1] : errp[1]), rq.argv, rq.envp, 0,
-                       follow ? 1 + (bg_term >= 0) : 0, bg_me ? &bg_me->cmd : NULL};
+                       follow ? 1 + (bg_term >= 0) : 0, bg_me ? &bg_me->cmd : NULL, 0};
     if (bg_me)
         bg_me->pty = bg_term >= 0;
     pid_t pid = spawn_exec(&sp);

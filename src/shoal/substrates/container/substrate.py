@@ -29,7 +29,7 @@ from pathlib import Path
 from shoal import cgroups, linux, settings
 from shoal.config import node_tag
 from shoal.errors import InvalidRequestError, SandboxLostError
-from shoal.guest import agent_binary_path
+from shoal.guest import AgentClient, agent_binary_path
 from shoal.images import Image
 from shoal.protocol import SandboxSpec
 from shoal.substrates.base import Capabilities, Instance, Substrate
@@ -65,6 +65,11 @@ class ContainerSubstrate(Substrate):
         self._private_mounts = PrivateMounts()
         self._shared: tuple[Path, Path] | None = None  # made on first use: _shared_dirs
         self._launcher = launcher.Launcher(self.agent_binary, runtime_root / "shoal-launcher.log", cgroup_parent)
+
+    def agent(self, instance: Instance) -> AgentClient:
+        """The agent client. Its socket is the agent handler's own (no VM bridge between), where a reset tells
+        an exec request its handler never read: the exec step may let the agent hold the pid frame."""
+        return AgentClient(str(instance.agent_socket), hold_pid=True)
 
     def runtime(self, name: str) -> OciRuntime | launcher.ShoalRuntime:
         if name not in self._runtimes:
