@@ -5,8 +5,9 @@ PY := $(VENV)/bin/python
 # chromium + chromium-driver: tests/test_console.py drives the web console in Debian's headless chromium (selenium)
 # novnc: the live view of a screen (shoal/view.py serves /usr/share/novnc; tests/test_gui.py loads it in chromium)
 # adb: Android's debug bridge client; tests/test_agentless.py carries it into an agentless vm (sb.adb())
+# musl-tools: the guest agent is linked with musl (shoal/cbuild.py: glibc's start costs ~1 CPU-ms of CPUID exits)
 APT_PACKAGES := crun runc bubblewrap mmdebstrap busybox-static erofs-utils iproute2 nftables e2fsprogs \
-	qemu-system-x86 qemu-utils gcc libc6-dev make psmisc procps file util-linux \
+	qemu-system-x86 qemu-utils gcc libc6-dev musl-tools make psmisc procps file util-linux \
 	skopeo umoci docker-registry openssl chromium chromium-driver novnc adb
 PYTHON ?= python3
 
