@@ -389,6 +389,12 @@ READY_FD: Setting[int] = _declare(
 PARENT_PID: Setting[int] = _declare(
     "SHOAL_PARENT_PID", int, None, INTERNAL, "A node or gateway stops when this supervisor process is gone."
 )
+AGENT_PID_HOLD_MS: Setting[int] = _declare(
+    "SHOAL_AGENT_PID_HOLD_MS", int, None, INTERNAL,
+    "Read by the guest agent from its own environment (not the node's): how long a held exec pid frame waits "
+    "for the command's first output or exit (EXEC_HOLD_PID); tests/test_guest_agent.py lengthens it.",
+    fallback="1 ms (agent.c's PID_HOLD_NS)",
+)  # fmt: skip
 
 # ---------------------------------------------------------------- tests and benchmarks
 TEST_USERNS: Setting[int] = _declare(
