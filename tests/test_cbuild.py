@@ -24,24 +24,28 @@ def test_the_agent_is_linked_with_musl() -> None:
     assert "shoal-agent" in version.stdout + version.stderr
 
 
+def _built_with_musl_asked(tmp_path: Path, source: str) -> tuple[str, bytes]:
+    """Build `source` as cbuild builds the agent (musl asked for); its output when run, and the binary."""
+    (tmp_path / "prog.c").write_text(source)
+    binary = static_binary(tmp_path / "prog", (tmp_path / "prog.c",), musl=True)
+    return subprocess.run([binary], capture_output=True, text=True).stdout, Path(binary).read_bytes()
+
+
 @needs_musl
 def test_musl_builds_with_the_kernels_headers(tmp_path: Path) -> None:
-    source = tmp_path / "prog.c"
-    source.write_text(
+    out, binary = _built_with_musl_asked(
+        tmp_path,
         "#include <linux/falloc.h>\n#include <stdio.h>\n"
-        'int main(void) { printf("%d\\n", FALLOC_FL_PUNCH_HOLE); return 0; }\n'
+        'int main(void) { printf("%d\\n", FALLOC_FL_PUNCH_HOLE); return 0; }\n',
     )
-    binary = static_binary(tmp_path / "prog", (source,), musl=True)
-    assert subprocess.run([binary], capture_output=True, text=True).stdout == "2\n"
-    assert b"glibc" not in Path(binary).read_bytes()
+    assert out == "2\n"
+    assert b"glibc" not in binary
 
 
 def test_what_musl_cannot_build_is_built_with_glibc(tmp_path: Path) -> None:
-    source = tmp_path / "prog.c"
-    source.write_text(
+    out, _ = _built_with_musl_asked(
+        tmp_path,
         "#include <gnu/libc-version.h>\n#include <stdio.h>\n"
-        "int main(void) { puts(gnu_get_libc_version()); return 0; }\n"
+        "int main(void) { puts(gnu_get_libc_version()); return 0; }\n",
     )
-    binary = static_binary(tmp_path / "prog", (source,), musl=True)
-    version = subprocess.run([binary], capture_output=True, text=True).stdout.strip()
-    assert version.split(".")[0] == "2", version  # glibc's version
+    assert out.strip().split(".")[0] == "2", out  # glibc's version
