@@ -129,6 +129,10 @@ def test_an_agentless_vm_gui_ports_and_refusals(client: shoal.Client, guest_imag
     until(lambda: not _qemu_of(vm.id), 30, "the vm's QEMU to end after close")
 
 
+def _adb_connect(serial: str) -> subprocess.Popen:
+    return subprocess.Popen(["adb", "connect", serial], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def test_adb_client_through_the_private_network(client: shoal.Client, guest_image: str) -> None:
     """Debian's adb (no adbd exists in Debian, so the guest's port 5555 only records what it is sent): adb's
     connect handshake travels through sb.forward into the guest's network, proven by the guest's own copy."""
@@ -136,23 +140,27 @@ def test_adb_client_through_the_private_network(client: shoal.Client, guest_imag
         pytest.skip("adb is not installed (`make setup` installs Debian's adb)")
     with client.create("vm", image=guest_image, pool=False, ttl_s=900) as vm:
         adb = vm.adb(connect=False)
-        # No adbd answers, so `adb connect` waits for a reply that never comes: it runs beside the checks
-        connecting = subprocess.Popen(
-            ["adb", "connect", adb.serial], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        # No adbd answers, so `adb connect` waits for a reply that never comes (10 s): it runs beside the checks.
+        # It tries once: refused if the guest's recorder is not listening yet (its init starts it beside the ready
+        # port's server), and after its 10 s the recorder starts over on an empty file. So it is run again until
+        # the guest's copy shows a connect.
+        connecting = [_adb_connect(adb.serial)]
         try:
             with vm.forward(8080) as web:
                 got: list[bytes] = []
 
                 def recorded() -> bool:
                     got.append(_http_get(web.address, "/adb.bin").partition(b"\r\n\r\n")[2])
+                    if not got[-1].startswith(b"CNXN") and connecting[-1].poll() is not None:
+                        connecting.append(_adb_connect(adb.serial))
                     return got[-1].startswith(b"CNXN")
 
                 until(recorded, 60, "the guest's copy of adb's CNXN packet")
             assert b"host::" in got[-1]  # adb's connect message: "host::features=..."
         finally:
-            connecting.kill()
-            connecting.wait()
+            for process in connecting:
+                process.kill()
+                process.wait()
             adb.close()
             subprocess.run(["adb", "kill-server"], capture_output=True, timeout=60)
 
