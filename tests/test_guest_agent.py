@@ -1120,7 +1120,8 @@ async def test_a_silent_commands_held_pid_goes_out_when_the_hold_ends(agent: Age
         while not started and time.monotonic() - t < 30:
             await run.wait(time.monotonic() + 0.1)
         assert run.exit is None and run.error is None and len(started) == 1
-        assert started[0] - t >= 2.9 and run.pid in procs_with_arg(arg)
+        assert started[0] - t >= 2.0 and run.pid in procs_with_arg(arg)  # t: after the request left, so a loaded
+        # machine can put it late in the hold; sent at once would be ~0, at the exit never (sleep runs on)
     finally:
         run.close()
     assert await wait_for(lambda: not procs_with_arg(arg), timeout=30)
